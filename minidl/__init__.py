@@ -1,0 +1,20 @@
+"""minidl: a small deep-learning framework on NumPy (CPU) and CuPy (GPU).
+
+    import minidl
+    from minidl import nn, ops
+"""
+from .backend import set_context, get_context, set_seed, get_seed
+from .tensor import (Tensor, Parameter, no_grad, is_grad_enabled,
+                     float16, float32, float64, int8, int32, int64, uint8, bool_)
+from .autograd import value_and_grad, grad
+from . import ops
+from . import common
+from . import nn
+from .io import save_checkpoint, load_checkpoint, load_param_into_net
+
+__version__ = "0.1.0"
+
+__all__ = ["Tensor", "Parameter", "no_grad", "is_grad_enabled", "value_and_grad", "grad",
+           "set_context", "get_context", "set_seed", "get_seed", "ops", "nn", "common",
+           "save_checkpoint", "load_checkpoint", "load_param_into_net",
+           "float16", "float32", "float64", "int8", "int32", "int64", "uint8", "bool_"]

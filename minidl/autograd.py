@@ -1,0 +1,207 @@
+"""The reverse-mode engine: topological sort, a reversed loop, gradients summed per tensor.
+
+A recorded op node (a Primitive instance, see ops/primitive.py) carries
+``inputs``: a tuple of (argument position, Tensor) for the arguments that need a gradient,
+and ``backward(gy)``, which returns one gradient (or None) per positional argument.
+"""
+from .tensor import Tensor, Parameter
+
+
+def _toposort(root):
+    """Tensors that lead to root, producers before consumers (iterative: deep nets are fine)."""
+    order, seen = [], set()
+    stack = [(root, False)]
+    while stack:
+        t, expanded = stack.pop()
+        if expanded:
+            order.append(t)
+            continue
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        stack.append((t, True))
+        node = t._node
+        if node is not None:
+            for _, parent in node.inputs:
+                if id(parent) not in seen:
+                    stack.append((parent, False))
+    return order
+
+
+def run_backward(root, gy, targets=None):
+    """Propagates gy from root and returns {id(tensor): gradient array}.
+
+    Args:
+        root: the Tensor whose gradient is gy.
+        gy: ndarray of root's shape.
+        targets: tensors whose gradients are wanted; None means every leaf that requires
+            grad (those are returned). Gradients of intermediates are dropped once used.
+    """
+    grads = {id(root): gy}
+    owned = set()  # ids whose gradient array we allocated, so += may write into it
+    wanted = None if targets is None else {id(t) for t in targets}
+    leaves = {}
+    for t in reversed(_toposort(root)):
+        g = grads.get(id(t))
+        if g is None:
+            continue
+        node = t._node
+        if node is None:
+            if t.requires_grad and (wanted is None or id(t) in wanted):
+                leaves[id(t)] = (t, g)
+            continue
+        if wanted is None or id(t) not in wanted:
+            del grads[id(t)]
+        in_grads = node.backward(g)
+        for position, parent in node.inputs:
+            gx = in_grads[position]
+            if gx is None:
+                continue
+            if gx.shape != parent.data.shape:
+                raise RuntimeError(f"{type(node).__name__}.backward returned a gradient of shape "
+                                   f"{tuple(gx.shape)} for an input of shape {parent.shape}")
+            key = id(parent)
+            prev = grads.get(key)
+            if prev is None:
+                grads[key] = gx
+            elif key in owned:
+                prev += gx  # in-place accumulation: this buffer is ours
+            else:
+                grads[key] = prev + gx
+                owned.add(key)
+    result = {k: g for k, (t, g) in leaves.items()}
+    if wanted is not None:
+        for k in wanted:
+            if k in grads and k not in result:
+                result[k] = grads[k]
+    return result, leaves
+
+
+def _root_gradient(root, gradient, who):
+    xp_data = root.data
+    if gradient is None:
+        if xp_data.size != 1:
+            raise RuntimeError(f"{who}: a gradient can be created implicitly only for a one-element "
+                               f"output, got shape {root.shape}; pass gradient=")
+        return _ones_like(xp_data)
+    g = gradient.data if isinstance(gradient, Tensor) else gradient
+    from . import backend
+    g = backend.to_device(g, backend.get_array_module(xp_data)).astype(xp_data.dtype, copy=False)
+    if tuple(g.shape) != root.shape:
+        raise ValueError(f"{who}: gradient of shape {tuple(g.shape)} does not match the output shape {root.shape}")
+    return g
+
+
+def _ones_like(a):
+    from .backend import get_array_module
+    return get_array_module(a).ones_like(a)
+
+
+def backward(root, gradient=None):
+    """Tensor.backward: accumulates into ``.grad`` of the leaves that require grad."""
+    if not root.requires_grad:
+        raise RuntimeError("backward: the tensor does not require grad and has no recorded graph; "
+                           "did you compute it under no_grad() or from inputs with requires_grad=False?")
+    gy = _root_gradient(root, gradient, "backward")
+    _, leaves = run_backward(root, gy)
+    for t, g in leaves.values():
+        if t.grad is None:
+            t.grad = Tensor._wrap(g if g is not gy else g.copy())
+        else:
+            t.grad = Tensor._wrap(t.grad.data + g)
+
+
+def _normalise_positions(grad_position, n_args, who):
+    if isinstance(grad_position, int) and not isinstance(grad_position, bool):
+        positions = (grad_position,)
+    elif isinstance(grad_position, (tuple, list)) and all(isinstance(p, int) for p in grad_position):
+        positions = tuple(grad_position)
+    else:
+        raise TypeError(f"{who}: grad_position must be an int or a tuple of ints, got {grad_position!r}")
+    for p in positions:
+        if not -n_args <= p < n_args:
+            raise IndexError(f"{who}: grad_position {p} is out of range for {n_args} positional argument(s)")
+    return tuple(p % n_args for p in positions)
+
+
+def value_and_grad(fn, grad_position=None, weights=None, has_aux=False):
+    """Returns a function computing ``fn(*args)`` and its gradients, as MindSpore's.
+
+    Args:
+        fn: a function returning a scalar Tensor, or (scalar, *aux) when has_aux.
+        grad_position: int or tuple of ints, the positional inputs to differentiate;
+            None means 0 when weights is None, else no inputs.
+        weights: a Parameter, or a list/tuple of them (``net.trainable_params()``).
+        has_aux: fn returns (loss, aux...); only loss is differentiated.
+
+    Returns:
+        ``grad_fn(*args) -> (value, grads)``; grads is for the inputs, the weights, or
+        ``(input_grads, weight_grads)`` when both are asked for. A single position gives a
+        Tensor, a tuple of positions a tuple.
+
+    Example:
+        >>> grad_fn = value_and_grad(forward_fn, None, net.trainable_params(), has_aux=True)
+        >>> (loss, logits), grads = grad_fn(x, y)
+    """
+    single_weight = isinstance(weights, Parameter)
+    weight_list = None if weights is None else ([weights] if single_weight else list(weights))
+    if weight_list is not None:
+        for w in weight_list:
+            if not isinstance(w, Tensor):
+                raise TypeError(f"value_and_grad: weights must be Parameters, got {type(w).__name__}")
+    if grad_position is None and weight_list is None:
+        grad_position = 0
+
+    def grad_fn(*args):
+        positions = () if grad_position is None else _normalise_positions(grad_position, len(args), "value_and_grad")
+        args = list(args)
+        for p in positions:
+            a = args[p]
+            data = a.data if isinstance(a, Tensor) else Tensor(a).data
+            args[p] = Tensor._wrap(data)
+            args[p].requires_grad = True
+        out = fn(*args)
+        if has_aux:
+            if not isinstance(out, (tuple, list)) or len(out) < 2:
+                raise TypeError("value_and_grad: has_aux=True needs fn to return (loss, aux, ...)")
+            loss = out[0]
+        else:
+            loss = out[0] if isinstance(out, (tuple, list)) else out
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"value_and_grad: fn must return a Tensor loss, got {type(loss).__name__}")
+        targets = [args[p] for p in positions] + (weight_list or [])
+        if loss.requires_grad:
+            gy = _root_gradient(loss, None, "value_and_grad")
+            grads, _ = run_backward(loss, gy, targets=targets)
+        else:
+            grads = {}
+        xp_of = lambda t: t.data
+        def grad_of(t):
+            g = grads.get(id(t))
+            if g is None:
+                g = xp_of(t) * 0  # not reached by the loss: MindSpore returns zeros
+            return Tensor._wrap(g)
+        input_grads = tuple(grad_of(args[p]) for p in positions)
+        if isinstance(grad_position, int) and not isinstance(grad_position, bool):
+            input_grads = input_grads[0]
+        weight_grads = None if weight_list is None else tuple(grad_of(w) for w in weight_list)
+        if single_weight:
+            weight_grads = weight_grads[0]
+        value = tuple(out) if has_aux else out
+        if grad_position is None:
+            return value, weight_grads
+        if weight_list is None:
+            return value, input_grads
+        return value, (input_grads, weight_grads)
+
+    return grad_fn
+
+
+def grad(fn, grad_position=None, weights=None, has_aux=False):
+    """Like value_and_grad but returns only the gradients (and aux, when has_aux)."""
+    vg = value_and_grad(fn, grad_position, weights, has_aux)
+
+    def grad_fn(*args):
+        value, grads = vg(*args)
+        return (grads, tuple(value[1:])) if has_aux else grads
+    return grad_fn

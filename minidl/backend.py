@@ -1,0 +1,128 @@
+"""Which array module runs the ops (NumPy or CuPy), the device context and the seed.
+
+Every op body is written once against ``xp = get_array_module(*arrays)``; this module is
+the only place that knows CuPy exists. CuPy is imported lazily, so a machine without it
+never pays for (or breaks on) the import.
+"""
+import os
+import threading
+
+import numpy
+
+_state = {"device_target": None, "seed": None}
+_rng_local = threading.local()
+_cupy = None  # the cupy module once imported, False when it is not importable
+
+
+def _import_cupy():
+    """Returns the cupy module, or None when CuPy (or a GPU) is not available."""
+    global _cupy
+    if _cupy is None:
+        try:
+            import cupy
+            cupy.cuda.runtime.getDeviceCount()
+            _cupy = cupy
+        except Exception:  # ImportError, or CUDA present without a device/driver
+            _cupy = False
+    return _cupy or None
+
+
+def gpu_available():
+    """True when CuPy imports and sees at least one CUDA device."""
+    return _import_cupy() is not None
+
+
+def set_context(device_target=None, device_id=None):
+    """Selects where new tensors live: ``"CPU"`` (NumPy) or ``"GPU"`` (CuPy).
+
+    Args:
+        device_target: "CPU" or "GPU" (case-insensitive).
+        device_id: the CUDA device to use on GPU (default: the current one).
+    """
+    if device_target is not None:
+        target = str(device_target).upper()
+        if target not in ("CPU", "GPU"):
+            raise ValueError(f"set_context: device_target must be 'CPU' or 'GPU', got {device_target!r}")
+        if target == "GPU" and not gpu_available():
+            raise RuntimeError("set_context: device_target='GPU' needs CuPy and a CUDA device: "
+                               "pip install 'minidl[gpu]'")
+        _state["device_target"] = target
+    if device_id is not None:
+        if get_device_target() != "GPU":
+            raise ValueError("set_context: device_id is only meaningful with device_target='GPU'")
+        _import_cupy().cuda.Device(int(device_id)).use()
+
+
+def get_context(key):
+    """Returns a context value; only ``"device_target"`` is defined."""
+    if key != "device_target":
+        raise ValueError(f"get_context: unknown key {key!r}; expected 'device_target'")
+    return get_device_target()
+
+
+def get_device_target():
+    """The device new tensors go to: the context, else $MINIDL_DEVICE, else GPU if seen."""
+    target = _state["device_target"]
+    if target is None:
+        env = os.environ.get("MINIDL_DEVICE")
+        if env:
+            set_context(env)
+        else:
+            _state["device_target"] = "GPU" if gpu_available() else "CPU"
+        target = _state["device_target"]
+    return target
+
+
+def default_xp():
+    """The array module for new tensors under the current context."""
+    return _import_cupy() if get_device_target() == "GPU" else numpy
+
+
+def get_array_module(*xs):
+    """numpy or cupy, whichever owns the given arrays (numpy for plain Python values)."""
+    if _cupy:
+        for x in xs:
+            if isinstance(x, _cupy.ndarray):
+                return _cupy
+    return numpy
+
+
+def to_device(array, xp=None):
+    """Moves an array (or nested Python data) to the array module ``xp`` (default: the context's)."""
+    xp = xp or default_xp()
+    if xp is numpy:
+        return to_numpy(array)
+    return xp.asarray(array)
+
+
+def to_numpy(array):
+    """A NumPy array with the same values (copies from the GPU when needed)."""
+    if _cupy and isinstance(array, _cupy.ndarray):
+        return _cupy.asnumpy(array)
+    return numpy.asarray(array)
+
+
+def set_seed(seed):
+    """Seeds parameter initialisation, dropout and shuffling, so that runs repeat exactly."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"set_seed: seed must be a non-negative int, got {seed!r}")
+    _state["seed"] = seed
+    _rng_local.__dict__.clear()
+    _rng_local.generator = numpy.random.default_rng(seed)
+    cupy = _import_cupy() if _cupy is not False else None
+    if cupy is not None:
+        cupy.random.seed(seed)
+
+
+def get_seed():
+    """The seed given to set_seed, or None."""
+    return _state["seed"]
+
+
+def rng():
+    """The framework's NumPy random generator (per thread; seeded by set_seed)."""
+    gen = getattr(_rng_local, "generator", None)
+    if gen is None:
+        seed = _state["seed"]
+        gen = _rng_local.generator = numpy.random.default_rng(seed)
+    return gen

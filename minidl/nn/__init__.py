@@ -1,0 +1,1 @@
+"""Cells, layers, losses and optimizers."""

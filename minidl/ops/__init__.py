@@ -1,0 +1,19 @@
+"""Operators, as MindSpore has them: primitive classes made in ``Cell.__init__`` and called in
+``construct`` (``self.matmul = ops.MatMul()``), and lowercase functions (``ops.matmul(x, w)``).
+
+One module per family; each op's forward and backward sit side by side in its class.
+"""
+from .primitive import Primitive, set_call_hook, get_call_hook
+from .math import *  # noqa: F401,F403
+from .linalg import *  # noqa: F401,F403
+from .reduce import *  # noqa: F401,F403
+from .array import *  # noqa: F401,F403
+from .activation import *  # noqa: F401,F403
+from .loss import *  # noqa: F401,F403
+from .conv import *  # noqa: F401,F403
+from .pool import *  # noqa: F401,F403
+from .norm import *  # noqa: F401,F403
+from .dropouts import *  # noqa: F401,F403
+from . import tensor_methods as _tensor_methods
+
+_tensor_methods.install()

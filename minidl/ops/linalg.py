@@ -1,0 +1,149 @@
+"""MatMul, BatchMatMul and BiasAdd: the dense-layer ops."""
+from ..backend import get_array_module
+from .primitive import Primitive, sum_to_shape
+
+
+def _t(a):
+    return a.swapaxes(-1, -2)
+
+
+class MatMul(Primitive):
+    """2-D matrix product ``op(x) @ op(w)``, op being an optional transpose.
+
+    Args:
+        transpose_a: use x.T.
+        transpose_b: use w.T (Dense stores its weight as [out, in] and sets this).
+    """
+
+    n_inputs = 2
+
+    def __init__(self, transpose_a=False, transpose_b=False):
+        super().__init__()
+        self.transpose_a = bool(transpose_a)
+        self.transpose_b = bool(transpose_b)
+
+    def forward(self, x, w):
+        _check_matmul(self.name, x, w, self.transpose_a, self.transpose_b, batched=False)
+        self.x, self.w = x, w
+        a = x.T if self.transpose_a else x
+        b = w.T if self.transpose_b else w
+        return a @ b
+
+    def backward(self, gy):
+        x, w, ta, tb = self.x, self.w, self.transpose_a, self.transpose_b
+        gx = gw = None
+        if self.needs_grad[0]:
+            # y = A B with A = op(x): dA = gy B^T; dx = dA or dA^T.
+            b = w.T if tb else w
+            gA = gy @ b.T
+            gx = gA.T if ta else gA
+        if self.needs_grad[1]:
+            a = x.T if ta else x
+            gB = a.T @ gy
+            gw = gB.T if tb else gB
+        return gx, gw
+
+
+class BatchMatMul(Primitive):
+    """Batched matrix product over the last two dims; leading dims broadcast.
+
+    Args:
+        transpose_a, transpose_b: transpose the last two dims of x / w.
+    """
+
+    n_inputs = 2
+
+    def __init__(self, transpose_a=False, transpose_b=False):
+        super().__init__()
+        self.transpose_a = bool(transpose_a)
+        self.transpose_b = bool(transpose_b)
+
+    def forward(self, x, w):
+        _check_matmul(self.name, x, w, self.transpose_a, self.transpose_b, batched=True)
+        self.x, self.w = x, w
+        a = _t(x) if self.transpose_a else x
+        b = _t(w) if self.transpose_b else w
+        return get_array_module(x, w).matmul(a, b)
+
+    def backward(self, gy):
+        xp = get_array_module(gy)
+        x, w, ta, tb = self.x, self.w, self.transpose_a, self.transpose_b
+        gx = gw = None
+        if self.needs_grad[0]:
+            b = _t(w) if tb else w
+            gA = xp.matmul(gy, _t(b))
+            gA = _t(gA) if ta else gA
+            gx = sum_to_shape(gA, x.shape)
+        if self.needs_grad[1]:
+            a = _t(x) if ta else x
+            gB = xp.matmul(_t(a), gy)
+            gB = _t(gB) if tb else gB
+            gw = sum_to_shape(gB, w.shape)
+        return gx, gw
+
+
+def _check_matmul(op, x, w, ta, tb, batched):
+    if not batched and (x.ndim != 2 or w.ndim != 2):
+        raise ValueError(f"{op}: x and w must be 2-D, got shapes {tuple(x.shape)} and {tuple(w.shape)}")
+    if batched and (x.ndim < 2 or w.ndim < 2):
+        raise ValueError(f"{op}: x and w must have at least 2 dims, got shapes {tuple(x.shape)} and {tuple(w.shape)}")
+    k1 = x.shape[-2] if ta else x.shape[-1]
+    k2 = w.shape[-1] if tb else w.shape[-2]
+    if k1 != k2:
+        raise ValueError(f"{op}: x of shape {tuple(x.shape)} and w of shape {tuple(w.shape)}"
+                         f"{' (transpose_a)' if ta else ''}{' (transpose_b)' if tb else ''}: "
+                         f"inner dimensions {k1} and {k2} differ")
+    if x.dtype != w.dtype:
+        raise TypeError(f"{op}: x has dtype {x.dtype} but w has dtype {w.dtype}; cast one of them")
+
+
+class BiasAdd(Primitive):
+    """x + b with b added along the channel axis 1 (NCHW, or [N, C] for dense outputs)."""
+
+    n_inputs = 2
+
+    def __init__(self, data_format="NCHW"):
+        super().__init__()
+        if data_format not in ("NCHW", "NHWC", "NCDHW"):
+            raise ValueError(f"BiasAdd: data_format must be 'NCHW' or 'NHWC', got {data_format!r}")
+        self.data_format = data_format
+
+    def forward(self, x, b):
+        if b.ndim != 1 or x.ndim < 2:
+            raise ValueError(f"BiasAdd: x must have rank >= 2 and b rank 1, got shapes {tuple(x.shape)} and {tuple(b.shape)}")
+        axis = x.ndim - 1 if self.data_format == "NHWC" else 1
+        if x.shape[axis] != b.shape[0]:
+            raise ValueError(f"BiasAdd: b of shape {tuple(b.shape)} must match channel dim {axis} "
+                             f"of x, which is {x.shape[axis]} (x shape {tuple(x.shape)})")
+        self.axis = axis
+        shape = [1] * x.ndim
+        shape[axis] = b.shape[0]
+        return x + b.reshape(shape)
+
+    def backward(self, gy):
+        gb = None
+        if self.needs_grad[1]:
+            axes = tuple(i for i in range(gy.ndim) if i != self.axis)
+            gb = gy.sum(axis=axes)
+        return gy, gb
+
+
+def matmul(x, w, transpose_a=False, transpose_b=False):
+    """Functional MatMul (2-D)."""
+    return MatMul(transpose_a, transpose_b)(x, w)
+
+
+def batch_matmul(x, w, transpose_a=False, transpose_b=False):
+    """Functional BatchMatMul."""
+    return BatchMatMul(transpose_a, transpose_b)(x, w)
+
+
+bmm = batch_matmul
+
+
+def bias_add(x, b, data_format="NCHW"):
+    """Functional BiasAdd."""
+    return BiasAdd(data_format)(x, b)
+
+
+__all__ = ['MatMul', 'BatchMatMul', 'BiasAdd', 'matmul', 'batch_matmul', 'bias_add', 'bmm']

@@ -66,15 +66,32 @@ def run_backward(root, gy, targets=None):
                 grads[key] = gx
             elif key in owned:
                 prev += gx  # in-place accumulation: this buffer is ours
+                grads[key] = prev  # (0-d numpy arithmetic gives scalars, which += rebinds)
             else:
                 grads[key] = prev + gx
                 owned.add(key)
+    leaves = {k: (t, _owned_array(g)) for k, (t, g) in leaves.items()}
     result = {k: g for k, (t, g) in leaves.items()}
     if wanted is not None:
         for k in wanted:
             if k in grads and k not in result:
-                result[k] = grads[k]
+                result[k] = _owned_array(grads[k])
     return result, leaves
+
+
+def _owned_array(g):
+    """A gradient users may keep and write: an ndarray, contiguous and writeable.
+
+    Backward rules may return broadcast views of gy (sum, mean) or NumPy scalars (0-d
+    arithmetic); optimizers, reducers and MPI buffers need real, writeable memory.
+    """
+    from .backend import get_array_module
+    xp = get_array_module(g)
+    if not isinstance(g, xp.ndarray):
+        return xp.asarray(g)
+    if not g.flags.c_contiguous or not getattr(g.flags, "writeable", True):
+        return xp.ascontiguousarray(g) if g.flags.c_contiguous is False else g.copy()
+    return g
 
 
 def _root_gradient(root, gradient, who):

@@ -1,5 +1,204 @@
-def save_checkpoint(*a, **k):
-    raise NotImplementedError
+"""Checkpoints: save_checkpoint / load_checkpoint / load_param_into_net, as in MindSpore 2.x.
+
+Files are safetensors (see minidl/io/safetensors.py), written atomically: a crash while
+saving leaves the previous checkpoint intact. The file name is used as given (MindSpore
+appends ".ckpt"; we do not). Anything with ``parameters_and_names()`` can be saved and
+loaded: a Cell, and also an Optimizer (its buffers and global step).
+
+Example:
+    >>> minidl.save_checkpoint(net, "net.ckpt", append_dict={"epoch": 3})
+    >>> params = minidl.load_checkpoint("net.ckpt")
+    >>> param_not_load, ckpt_not_load = minidl.load_param_into_net(net, params)
+    >>> load_checkpoint_metadata("net.ckpt")["epoch"]
+    '3'
+"""
+import numbers
+import os
+
+import numpy
+
+from .. import backend
+from ..tensor import Parameter, Tensor
+from . import safetensors
+
+__all__ = ["save_checkpoint", "load_checkpoint", "load_param_into_net", "load_checkpoint_metadata"]
 
 
-load_checkpoint = load_param_into_net = save_checkpoint
+def _to_numpy(who, name, value):
+    if isinstance(value, Tensor):
+        value = value.data
+    if isinstance(value, (bool, numbers.Number)) or hasattr(value, "__array_interface__") \
+            or hasattr(value, "__cuda_array_interface__"):
+        return numpy.asarray(backend.to_numpy(value))
+    raise TypeError(f"{who}: value of {name!r} must be a Parameter, Tensor, array or number, "
+                    f"got {type(value).__name__}")
+
+
+def _named_values(save_obj):
+    """(name, value) pairs of any form save_checkpoint accepts."""
+    if hasattr(save_obj, "parameters_and_names"):
+        return list(save_obj.parameters_and_names())
+    if isinstance(save_obj, dict):
+        return list(save_obj.items())
+    if isinstance(save_obj, (list, tuple)):
+        pairs = []
+        for i, item in enumerate(save_obj):
+            if isinstance(item, Parameter):
+                if not item.name:
+                    raise ValueError(f"save_checkpoint: Parameter {i} of the list has no name")
+                pairs.append((item.name, item))
+            elif isinstance(item, dict) and {"name", "data"} <= set(item):
+                pairs.append((item["name"], item["data"]))
+            else:
+                raise TypeError(f"save_checkpoint: list element {i} must be a named Parameter or a dict "
+                                f"{{'name': ..., 'data': ...}}, got {type(item).__name__}")
+        return pairs
+    raise TypeError(f"save_checkpoint: save_obj must be a Cell (anything with parameters_and_names()), a list of "
+                    f"Parameters, a list of {{'name', 'data'}} dicts or a dict, got {type(save_obj).__name__}")
+
+
+def save_checkpoint(save_obj, ckpt_file_name, append_dict=None, choice_func=None):
+    """Saves parameters to a safetensors file, atomically.
+
+    Args:
+        save_obj: a Cell (or anything with ``parameters_and_names()``, e.g. an Optimizer), a
+            list of Parameters, a list of dicts {"name": str, "data": Tensor/array}, or a dict
+            name -> Parameter / Tensor / array.
+        ckpt_file_name: the path, used as given.
+        append_dict: extra entries: str, int, float and bool values go to the file's
+            metadata, as strings (read them with ``load_checkpoint_metadata``); Tensor and
+            array values are saved as tensors (returned by ``load_checkpoint``).
+        choice_func: optional ``f(name) -> bool``; only names it accepts are saved.
+    """
+    who = "save_checkpoint"
+    if not isinstance(ckpt_file_name, (str, os.PathLike)):
+        raise TypeError(f"{who}: ckpt_file_name must be a str or path, got {type(ckpt_file_name).__name__}")
+    tensors, metadata = {}, {}
+
+    def add(name, value):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{who}: names must be non-empty strings, got {name!r}")
+        if name in tensors:
+            raise ValueError(f"{who}: the name {name!r} appears twice")
+        tensors[name] = _to_numpy(who, name, value)
+
+    for name, value in _named_values(save_obj):
+        if choice_func is None or choice_func(name):
+            add(name, value)
+    if append_dict is not None:
+        if not isinstance(append_dict, dict):
+            raise TypeError(f"{who}: append_dict must be a dict, got {type(append_dict).__name__}")
+        for key, value in append_dict.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{who}: append_dict keys must be str, got {key!r}")
+            if isinstance(value, (str, bool, numbers.Number)):
+                metadata[key] = str(value)
+            else:
+                add(key, value)
+    safetensors.save_file(tensors, ckpt_file_name, metadata)
+
+
+def _prefixes(who, name, value):
+    if value is None:
+        return ()
+    value = (value,) if isinstance(value, str) else tuple(value)
+    if not all(isinstance(v, str) for v in value):
+        raise TypeError(f"{who}: {name} must be a str or a list of str, got {value!r}")
+    return value
+
+
+def load_checkpoint(ckpt_file_name, net=None, strict_load=False, filter_prefix=None, specify_prefix=None,
+                    choice_func=None):
+    """Loads a checkpoint into a dict name -> Parameter (on the context's device).
+
+    Args:
+        ckpt_file_name: the path.
+        net: when given, the values are also loaded into it (``load_param_into_net``).
+        strict_load: passed to ``load_param_into_net``.
+        filter_prefix: str or list of str: names starting with one of them are skipped.
+        specify_prefix: str or list of str: only names starting with one of them are loaded.
+        choice_func: optional ``f(name) -> bool``; only names it accepts are loaded.
+
+    Raises:
+        ValueError: the file is not a valid safetensors file (the message says why).
+    """
+    who = "load_checkpoint"
+    skip = _prefixes(who, "filter_prefix", filter_prefix)
+    only = _prefixes(who, "specify_prefix", specify_prefix)
+    if not os.path.isfile(ckpt_file_name):
+        raise ValueError(f"{who}: checkpoint file {os.fspath(ckpt_file_name)!r} does not exist")
+    params = {}
+    for name, array in safetensors.load_file(ckpt_file_name).items():
+        if (skip and name.startswith(skip)) or (only and not name.startswith(only)):
+            continue
+        if choice_func is not None and not choice_func(name):
+            continue
+        params[name] = Parameter(array, name=name)
+    if net is not None:
+        load_param_into_net(net, params, strict_load=strict_load)
+    return params
+
+
+def load_checkpoint_metadata(ckpt_file_name):
+    """The ``append_dict`` scalars saved with a checkpoint, as a dict str -> str."""
+    return safetensors.load_metadata(ckpt_file_name)
+
+
+def _copy_into(param, value):
+    """Writes value into param's own array (same device, dtype and identity, so that views,
+    optimizers and fused buffers holding it stay valid)."""
+    dst = param.data
+    xp = backend.get_array_module(dst)
+    src = backend.to_device(value.data if isinstance(value, Tensor) else value, xp)
+    if getattr(dst.flags, "writeable", True):
+        xp.copyto(dst, src, casting="unsafe")
+    else:
+        param.set_data(src.copy())
+
+
+def load_param_into_net(net, parameter_dict, strict_load=False):
+    """Copies checkpoint values into ``net``'s Parameters, in place.
+
+    Names are those of ``net.parameters_and_names()``. Values are cast to each parameter's
+    dtype. Nothing is copied when any shape differs.
+
+    Args:
+        net: a Cell (or anything with ``parameters_and_names()``, e.g. an Optimizer).
+        parameter_dict: name -> Parameter / Tensor / array, e.g. from ``load_checkpoint``.
+        strict_load: when True, a net parameter absent from parameter_dict raises.
+
+    Returns:
+        (param_not_load, ckpt_not_load): the net's parameter names that got no value, and the
+        checkpoint names that matched no parameter.
+
+    Raises:
+        ValueError: shapes differ (every mismatched name is listed with both shapes), or
+            strict_load and some parameters are missing (all listed).
+    """
+    who = "load_param_into_net"
+    if not hasattr(net, "parameters_and_names"):
+        raise TypeError(f"{who}: net must be a Cell (anything with parameters_and_names()), got {type(net).__name__}")
+    if not isinstance(parameter_dict, dict):
+        raise TypeError(f"{who}: parameter_dict must be a dict, got {type(parameter_dict).__name__}")
+    missing, mismatched, pairs, used = [], [], [], set()
+    for name, param in net.parameters_and_names():
+        if name not in parameter_dict:
+            missing.append(name)
+            continue
+        value = parameter_dict[name]
+        if not isinstance(value, Tensor) and not hasattr(value, "shape"):
+            value = numpy.asarray(value)
+        if tuple(value.shape) != tuple(param.shape):
+            mismatched.append(f"{name!r}: net {tuple(param.shape)} vs checkpoint {tuple(value.shape)}")
+            continue
+        pairs.append((param, value))
+        used.add(name)
+    if mismatched:
+        raise ValueError(f"{who}: {len(mismatched)} parameter(s) have a different shape in the checkpoint, "
+                         f"nothing was loaded: " + "; ".join(mismatched))
+    if missing and strict_load:
+        raise ValueError(f"{who}: strict_load is set and {len(missing)} parameter(s) are missing from the "
+                         f"checkpoint, nothing was loaded: {missing}")
+    for param, value in pairs:
+        _copy_into(param, value)
+    return missing, [name for name in parameter_dict if name not in used]

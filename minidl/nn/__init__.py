@@ -1,1 +1,18 @@
-"""Cells, layers, losses and optimizers."""
+"""Cells, layers, losses, and (re-exported from minidl.optim) optimizers, as mindspore.nn.
+
+    from minidl import nn
+    net = nn.SequentialCell(nn.Dense(784, 128), nn.ReLU(), nn.Dense(128, 10))
+    loss_fn = nn.CrossEntropyLoss()
+    opt = nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)
+"""
+from .cell import Cell, SequentialCell, CellList
+from .layers import (ReLU, Sigmoid, Tanh, Softmax, LogSoftmax, get_activation, Dense, Flatten, Dropout,
+                     Identity, Conv2d, BatchNorm1d, BatchNorm2d, MaxPool2d, AvgPool2d)
+from .loss import LossBase, SoftmaxCrossEntropyWithLogits, CrossEntropyLoss, MSELoss, L1Loss
+from ..optim import Optimizer, SGD, Momentum
+
+__all__ = ["Cell", "SequentialCell", "CellList",
+           "ReLU", "Sigmoid", "Tanh", "Softmax", "LogSoftmax", "get_activation", "Dense", "Flatten", "Dropout",
+           "Identity", "Conv2d", "BatchNorm1d", "BatchNorm2d", "MaxPool2d", "AvgPool2d",
+           "LossBase", "SoftmaxCrossEntropyWithLogits", "CrossEntropyLoss", "MSELoss", "L1Loss",
+           "Optimizer", "SGD", "Momentum"]

@@ -1,1 +1,260 @@
-__all__ = []
+"""Losses: the two softmax cross-entropy primitives and functional losses built on primitives.
+
+``SoftmaxCrossEntropyWithLogits`` (dense labels) and ``SparseSoftmaxCrossEntropyWithLogits``
+(class indices) are fused primitives: one stable log-softmax, and a backward of
+``softmax - labels`` with no chain through exp/log. They differ from MindSpore's primitives
+in what they return: MindSpore's dense op returns ``(loss, backprop)`` and its sparse op a
+batch mean; here both return the per-sample loss of shape (N,) and the gradient comes from
+autograd. The ``nn`` losses apply the reduction.
+
+``cross_entropy`` and ``mse_loss`` are compositions of primitives (log-softmax, Mul,
+ReduceSum, ...), so their gradients come for free.
+"""
+import numpy
+
+from ..backend import get_array_module
+from ..tensor import Tensor
+from .activation import LogSoftmax
+from .math import Mul, Neg, RealDiv, Square, Sub
+from .primitive import Primitive
+from .reduce import ReduceMean, ReduceSum
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _log_softmax_rows(x):
+    """Stable log-softmax along axis 1 of an (N, C) array."""
+    xp = get_array_module(x)
+    y = x - x.max(axis=1, keepdims=True)
+    y -= xp.log(xp.exp(y).sum(axis=1, keepdims=True))
+    return y
+
+
+def _check_logits(op, logits):
+    if getattr(logits, "ndim", None) != 2:
+        raise ValueError(f"{op}: logits must be 2-D (N, C), got shape {tuple(getattr(logits, 'shape', ()))}")
+    if not numpy.issubdtype(logits.dtype, numpy.floating):
+        raise TypeError(f"{op}: logits must be a float tensor, got dtype {logits.dtype}")
+
+
+class SoftmaxCrossEntropyWithLogits(Primitive):
+    """Per-sample ``-sum(labels * log_softmax(logits), axis=1)`` for dense labels.
+
+    Inputs:
+        logits: (N, C) floats.
+        labels: (N, C) probabilities or one-hot rows, same dtype family as logits.
+
+    Returns the loss of shape (N,) (MindSpore's primitive also returns the backprop; here
+    autograd differentiates it, with respect to labels too when they require a gradient).
+
+    Example:
+        >>> ops.SoftmaxCrossEntropyWithLogits()(logits, onehot)      # shape (N,)
+    """
+
+    n_inputs = 2
+
+    def forward(self, logits, labels):
+        _check_logits(self.name, logits)
+        if tuple(getattr(labels, "shape", ())) != tuple(logits.shape):
+            raise ValueError(f"{self.name}: labels of shape {tuple(getattr(labels, 'shape', ()))} must match "
+                             f"logits of shape {tuple(logits.shape)}")
+        if not numpy.issubdtype(labels.dtype, numpy.floating):
+            raise TypeError(f"{self.name}: labels must be float probabilities, got dtype {labels.dtype}; "
+                            f"use SparseSoftmaxCrossEntropyWithLogits for class indices")
+        self.log_p = _log_softmax_rows(logits)
+        self.labels = labels
+        return -(labels * self.log_p).sum(axis=1).astype(logits.dtype, copy=False)
+
+    def backward(self, gy):
+        xp = get_array_module(gy)
+        g = gy[:, None]
+        glogits = glabels = None
+        if self.needs_grad[0]:
+            # NOTE: d/dx of -sum(t * log p) is p * sum(t) - t; it is MindSpore's softmax - labels
+            # when rows of labels sum to 1, and stays exact when they do not.
+            glogits = xp.exp(self.log_p)
+            glogits *= self.labels.sum(axis=1, keepdims=True)
+            glogits -= self.labels
+            glogits *= g
+            glogits = glogits.astype(self.log_p.dtype, copy=False)
+        if self.needs_grad[1]:
+            glabels = (-self.log_p * g).astype(self.labels.dtype, copy=False)
+        return glogits, glabels
+
+
+class SparseSoftmaxCrossEntropyWithLogits(Primitive):
+    """Per-sample ``-log_softmax(logits)[n, labels[n]]`` for integer class labels.
+
+    Inputs:
+        logits: (N, C) floats.
+        labels: (N,) integers in [0, C).
+
+    Returns the loss of shape (N,); MindSpore's primitive returns the batch mean instead,
+    and ``nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction=...)`` applies the
+    reduction here. Labels get no gradient.
+
+    Example:
+        >>> ops.SparseSoftmaxCrossEntropyWithLogits()(logits, minidl.Tensor([1, 0]))
+    """
+
+    n_inputs = 2
+
+    def forward(self, logits, labels):
+        _check_logits(self.name, logits)
+        labels = _check_index_labels(self.name, labels, (logits.shape[0],), logits.shape[1], logits.shape)
+        xp = get_array_module(logits, labels)
+        self.log_p = _log_softmax_rows(logits)
+        self.rows = xp.arange(logits.shape[0])
+        self.labels = labels
+        return -self.log_p[self.rows, labels]
+
+    def backward(self, gy):
+        xp = get_array_module(gy)
+        gx = xp.exp(self.log_p)
+        gx[self.rows, self.labels] -= 1
+        gx *= gy[:, None]
+        return gx, None
+
+
+def _check_index_labels(op, labels, batch_shape, n_classes, logits_shape, ignore_index=None):
+    """Validates integer labels; returns them as an array. ignore_index values pass unchecked."""
+    shape = tuple(getattr(labels, "shape", ()))
+    dtype = getattr(labels, "dtype", None)
+    if dtype is None or not numpy.issubdtype(dtype, numpy.integer):
+        raise TypeError(f"{op}: labels must be integer class indices, got "
+                        f"{'dtype ' + str(dtype) if dtype is not None else type(labels).__name__}")
+    if shape != tuple(batch_shape):
+        raise ValueError(f"{op}: labels of shape {shape} do not match logits of shape {tuple(logits_shape)}: "
+                         f"expected labels of shape {tuple(batch_shape)}")
+    if labels.size:
+        bad = (labels < 0) | (labels >= n_classes)
+        if ignore_index is not None:
+            bad &= labels != ignore_index
+        if bool(bad.any()):
+            first = int(labels[bad].reshape(-1)[0])
+            raise ValueError(f"{op}: label {first} is out of range for {n_classes} classes "
+                             f"(expected 0 <= label < {n_classes})")
+    return labels
+
+
+def softmax_cross_entropy(logits, labels):
+    """Per-sample cross entropy of (N, C) logits against dense (N, C) labels; shape (N,)."""
+    return SoftmaxCrossEntropyWithLogits()(logits, labels)
+
+
+def sparse_softmax_cross_entropy(logits, labels):
+    """Per-sample cross entropy of (N, C) logits against (N,) class indices; shape (N,)."""
+    return SparseSoftmaxCrossEntropyWithLogits()(logits, labels)
+
+
+def _check_reduction(op, reduction):
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+
+
+def _reduce(per, reduction, denominator, xp, dtype):
+    """Applies 'none' / 'sum' / 'mean' (the mean divides by ``denominator``)."""
+    if reduction == "none":
+        return per
+    total = ReduceSum()(per, ())
+    if reduction == "sum":
+        return total
+    return RealDiv()(total, xp.asarray(denominator, dtype=dtype))
+
+
+def _raw(a):
+    return a.data if isinstance(a, Tensor) else a
+
+
+def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",  # noqa: A002
+                  label_smoothing=0.0):
+    """Cross entropy of logits against class indices or class probabilities (PyTorch semantics).
+
+    Args:
+        input: logits of shape (C,), (N, C) or (N, C, d1, ...); the class axis is 1 (0 for 1-D).
+        target: integer class indices of shape (), (N,) or (N, d1, ...), or float probabilities
+            of the input's shape.
+        weight: optional per-class weights, shape (C,) (a constant: it gets no gradient).
+        ignore_index: index targets equal to it contribute nothing (index targets only).
+        reduction: 'mean', 'sum' or 'none'. The mean divides by the summed weights of the
+            counted samples for index targets, by the number of samples for probabilities.
+        label_smoothing: s in [0, 1]; the target becomes (1 - s) * target + s / C.
+
+    Example:
+        >>> ops.cross_entropy(logits, minidl.Tensor(np.array([1, 0], np.int32)))   # a scalar
+    """
+    op = "cross_entropy"
+    _check_reduction(op, reduction)
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+            or not 0 <= label_smoothing <= 1:
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+    x, t = _raw(input), _raw(target)
+    xp = get_array_module(x, t)
+    if getattr(x, "ndim", 0) == 0:
+        raise ValueError(f"{op}: input must have a class dimension, got shape {tuple(getattr(x, 'shape', ()))}")
+    if not numpy.issubdtype(x.dtype, numpy.floating):
+        raise TypeError(f"{op}: input must be float logits, got dtype {x.dtype}")
+    t = xp.asarray(t)
+    dtype, shape = x.dtype, tuple(x.shape)
+    axis = 0 if x.ndim == 1 else 1
+    n_classes = shape[axis]
+    at_class_axis = (1,) * axis + (n_classes,) + (1,) * (x.ndim - axis - 1)  # broadcasts a (C,) vector
+    w = None
+    if weight is not None:
+        w = xp.asarray(_raw(weight)).astype(dtype, copy=False)
+        if w.shape != (n_classes,):
+            raise ValueError(f"{op}: weight of shape {tuple(w.shape)} must be ({n_classes},), one per class "
+                             f"of input of shape {shape}")
+    s = float(label_smoothing)
+
+    if numpy.issubdtype(t.dtype, numpy.floating):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{op}: probability target of shape {tuple(t.shape)} must match input of shape {shape}")
+        target_p = t.astype(dtype, copy=False)
+        if s:
+            target_p = target_p * (1.0 - s) + s / n_classes
+        if w is not None:
+            target_p = target_p * w.reshape(at_class_axis)
+        per = Neg()(ReduceSum()(Mul()(LogSoftmax(axis)(input), target_p), axis))
+        return _reduce(per, reduction, x.size // max(n_classes, 1), xp, dtype)
+
+    batch_shape = shape[:axis] + shape[axis + 1:]
+    t = _check_index_labels(op, t, batch_shape, n_classes, shape, ignore_index)
+    valid = t != ignore_index
+    safe = xp.where(valid, t, 0)
+    if x.ndim == 2 and w is None and not s:
+        # The common case (N, C) with plain labels: the fused primitive, no (N, C) target.
+        per = SparseSoftmaxCrossEntropyWithLogits()(input, safe)
+        if not bool(valid.all()):
+            per = Mul()(per, valid.astype(dtype))
+        return _reduce(per, reduction, valid.sum(), xp, dtype)
+    # Weighted or smoothed or N-d: loss = -sum_c T[c] * log p[c] with a constant target T.
+    classes = xp.arange(n_classes).reshape(at_class_axis)
+    target_p = (xp.expand_dims(safe, axis) == classes).astype(dtype)
+    if s:
+        target_p = target_p * (1.0 - s) + s / n_classes
+    if w is not None:
+        target_p = target_p * w.reshape(at_class_axis)
+    target_p = target_p * xp.expand_dims(valid, axis).astype(dtype)
+    per = Neg()(ReduceSum()(Mul()(LogSoftmax(axis)(input), target_p), axis))
+    denominator = valid.sum() if w is None else (w[safe] * valid).sum()
+    return _reduce(per, reduction, denominator, xp, dtype)
+
+
+def mse_loss(input, target, reduction="mean"):  # noqa: A002
+    """Mean squared error ``(input - target) ** 2``, reduced ('mean', 'sum' or 'none'); broadcasts.
+
+    Example:
+        >>> ops.mse_loss(pred, y)          # a scalar
+    """
+    _check_reduction("mse_loss", reduction)
+    sq = Square()(Sub()(input, target))
+    if reduction == "none":
+        return sq
+    return (ReduceMean() if reduction == "mean" else ReduceSum())(sq, ())
+
+
+__all__ = ['SoftmaxCrossEntropyWithLogits', 'SparseSoftmaxCrossEntropyWithLogits',
+           'softmax_cross_entropy', 'sparse_softmax_cross_entropy', 'cross_entropy', 'mse_loss']

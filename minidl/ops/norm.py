@@ -1,1 +1,192 @@
-__all__ = []
+"""BatchNorm: normalisation by per-channel statistics, with the running statistics updated in place.
+
+Training normalises with the batch mean and biased variance and folds the batch statistics
+into the running ``mean`` / ``variance`` arrays (the ``.data`` of non-trainable Parameters),
+using the unbiased variance for the running one, as PyTorch and MindSpore do. Inference
+normalises with the running statistics.
+
+It runs in every ResNet layer, so the bodies keep temporaries to the two full-size arrays
+that must exist anyway (the saved ``xhat`` and the output), reduce over all non-channel axes
+in one call, and stay in the input's dtype.
+"""
+import numpy
+
+from ..backend import get_array_module
+from ..tensor import Tensor
+from .primitive import Primitive
+
+_FORMATS = ("NCHW", "NHWC")
+
+
+def _check_number(op, name, value, low, high, low_open):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{op}: {name} must be a number, got {value!r}")
+    ok = (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        raise ValueError(f"{op}: {name} must be in {'(' if low_open else '['}{low}, {high}], got {value!r}")
+    return float(value)
+
+
+class BatchNorm(Primitive):
+    """Batch normalisation over the channel axis, ``y = (x - mean) / sqrt(var + eps) * scale + bias``.
+
+    Args:
+        is_training: use (and track) batch statistics; False uses ``mean`` and ``variance``.
+        epsilon: added to the variance.
+        momentum: weight of the NEW batch statistic in the running update,
+            ``running = (1 - momentum) * running + momentum * batch`` (MindSpore's primitive
+            and PyTorch; ``nn.BatchNorm2d`` passes ``1 - its momentum``).
+        data_format: "NCHW" (channel axis 1) or "NHWC" (channel axis last).
+
+    Inputs:
+        x: (N, C) or (N, C, H, W) (any rank >= 2 works); scale, bias, mean, variance: (C,).
+        In training, mean and variance are updated in place (pass None to skip the update).
+
+    Returns only ``y`` (MindSpore's primitive also returns the batch statistics). Gradients
+    flow to x, scale and bias; mean and variance get none.
+
+    Example:
+        >>> bn = ops.BatchNorm(is_training=True)
+        >>> y = bn(x, gamma, beta, moving_mean, moving_variance)    # moving_* updated in place
+    """
+
+    n_inputs = 5
+
+    def __init__(self, is_training=False, epsilon=1e-5, momentum=0.1, data_format="NCHW"):
+        super().__init__()
+        if not isinstance(is_training, bool):
+            raise TypeError(f"BatchNorm: is_training must be a bool, got {is_training!r}")
+        if data_format not in _FORMATS:
+            raise ValueError(f"BatchNorm: data_format must be one of {_FORMATS}, got {data_format!r}")
+        self.is_training = is_training
+        self.epsilon = _check_number("BatchNorm", "epsilon", epsilon, 0.0, 1.0, low_open=True)
+        self.momentum = _check_number("BatchNorm", "momentum", momentum, 0.0, 1.0, low_open=False)
+        self.data_format = data_format
+
+    def _check(self, x, scale, bias, mean, variance):
+        if getattr(x, "ndim", 0) < 2:
+            raise ValueError(f"{self.name}: x must have at least 2 dimensions (N, C, ...), "
+                             f"got shape {tuple(getattr(x, 'shape', ()))}")
+        if not numpy.issubdtype(x.dtype, numpy.floating):
+            raise TypeError(f"{self.name}: x must be a float tensor, got dtype {x.dtype}")
+        axis = 1 if self.data_format == "NCHW" else x.ndim - 1
+        channels = x.shape[axis]
+        for name, a in (("scale", scale), ("bias", bias), ("mean", mean), ("variance", variance)):
+            if a is None and name in ("mean", "variance") and self.is_training:
+                continue
+            if a is None:
+                raise ValueError(f"{self.name}: {name} must be a ({channels},) tensor, got None "
+                                 f"(only the running mean and variance may be None, and only in training)")
+            if tuple(getattr(a, "shape", ())) != (channels,):
+                raise ValueError(f"{self.name}: {name} of shape {tuple(getattr(a, 'shape', ()))} must be "
+                                 f"({channels},), one per channel of x of shape {tuple(x.shape)} "
+                                 f"({self.data_format})")
+        if (mean is None) != (variance is None):
+            raise ValueError(f"{self.name}: mean and variance must both be given or both be None")
+        return axis, channels
+
+    def forward(self, x, scale, bias, mean, variance):
+        axis, channels = self._check(x, scale, bias, mean, variance)
+        xp = get_array_module(x)
+        dtype = x.dtype
+        self.axes = tuple(i for i in range(x.ndim) if i != axis)
+        self.kept = tuple(channels if i == axis else 1 for i in range(x.ndim))  # per-channel broadcast shape
+        self.scale_dtype, self.bias_dtype = scale.dtype, bias.dtype
+        scale = scale.astype(dtype, copy=False).reshape(self.kept)
+        bias = bias.astype(dtype, copy=False).reshape(self.kept)
+        self.scale = scale
+        self.count = x.size // channels
+        if not self.is_training:
+            mu = mean.astype(dtype, copy=False).reshape(self.kept)
+            self.inv_std = 1.0 / xp.sqrt(variance.astype(dtype, copy=False).reshape(self.kept) + self.epsilon)
+            self.x, self.mu = x, mu
+            k = scale * self.inv_std
+            y = x * k
+            y += bias - mu * k
+            return y
+
+        if self.count < 2:
+            raise ValueError(f"{self.name}: expected more than 1 value per channel when training, got input "
+                             f"of shape {tuple(x.shape)} (the batch variance is undefined)")
+        batch_mean = x.mean(axis=self.axes, keepdims=True)
+        xhat = x - batch_mean
+        y = xp.multiply(xhat, xhat)
+        # NOTE: two-pass variance (mean of centred squares): E[x^2] - E[x]^2 cancels badly in float32.
+        batch_var = y.mean(axis=self.axes, keepdims=True)
+        self.inv_std = 1.0 / xp.sqrt(batch_var + self.epsilon)
+        xhat *= self.inv_std
+        self.xhat = xhat
+        xp.multiply(xhat, scale, out=y)
+        y += bias
+        if mean is not None:
+            m = self.momentum
+            unbiased = batch_var.reshape(channels) * (self.count / (self.count - 1))
+            mean[...] = (1.0 - m) * mean + m * batch_mean.reshape(channels)
+            variance[...] = (1.0 - m) * variance + m * unbiased
+        return y
+
+    def backward(self, gy):
+        xp = get_array_module(gy)
+        need_x, need_scale, need_bias = self.needs_grad[:3]
+        if not self.is_training:
+            gx = gy * (self.scale * self.inv_std) if need_x else None
+            gscale = gbias = None
+            if need_scale:
+                xhat = (self.x - self.mu) * self.inv_std
+                xhat *= gy
+                gscale = xhat.sum(axis=self.axes)
+            if need_bias:
+                gbias = gy.sum(axis=self.axes)
+            return gx, self._cast(gscale, self.scale_dtype), self._cast(gbias, self.bias_dtype), None, None
+
+        xhat = self.xhat
+        buf = gy * xhat
+        gscale = buf.sum(axis=self.axes, keepdims=True)
+        gbias = gy.sum(axis=self.axes, keepdims=True)
+        gx = None
+        if need_x:
+            # gx = scale * inv_std / M * (M * gy - sum(gy) - xhat * sum(gy * xhat)), in buf.
+            inv_m = 1.0 / self.count
+            k = self.scale * self.inv_std
+            xp.multiply(xhat, gscale * inv_m, out=buf)
+            xp.subtract(gy, buf, out=buf)
+            buf -= gbias * inv_m
+            buf *= k
+            gx = buf
+        channels = gscale.size
+        gscale = gscale.reshape(channels) if need_scale else None
+        gbias = gbias.reshape(channels) if need_bias else None
+        return gx, self._cast(gscale, self.scale_dtype), self._cast(gbias, self.bias_dtype), None, None
+
+    @staticmethod
+    def _cast(g, dtype):
+        return None if g is None else g.astype(dtype, copy=False)
+
+
+def batch_norm(input_x, running_mean, running_var, weight=None, bias=None, training=False,
+               momentum=0.1, eps=1e-5):
+    """Batch normalisation over axis 1, in MindSpore's ``ops.batch_norm`` argument order.
+
+    Args:
+        input_x: (N, C) or (N, C, H, W).
+        running_mean, running_var: (C,) Tensors, updated in place when training.
+        weight, bias: (C,) scale and shift (default ones and zeros).
+        training: use batch statistics (and update the running ones).
+        momentum: weight of the new batch statistic in the running update.
+        eps: added to the variance.
+
+    Example:
+        >>> y = ops.batch_norm(x, moving_mean, moving_var, gamma, beta, training=True)
+    """
+    x = input_x.data if isinstance(input_x, Tensor) else input_x
+    xp = get_array_module(x)
+    channels = x.shape[1] if getattr(x, "ndim", 0) >= 2 else None
+    if channels is not None:
+        if weight is None:
+            weight = xp.ones(channels, dtype=x.dtype)
+        if bias is None:
+            bias = xp.zeros(channels, dtype=x.dtype)
+    return BatchNorm(bool(training), eps, momentum)(input_x, weight, bias, running_mean, running_var)
+
+
+__all__ = ['BatchNorm', 'batch_norm']

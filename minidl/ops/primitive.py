@@ -14,6 +14,8 @@ serves both.
 ``shard(in_strategy, out_strategy)`` only stores the strategy here; minidl_parallel reads
 it. That package plugs in through ``set_call_hook``, the single hook of the core.
 """
+import numpy
+
 from ..backend import get_array_module
 from ..tensor import Tensor, is_grad_enabled
 
@@ -79,7 +81,10 @@ class Primitive:
         node.__dict__.update(self.__dict__)
         arrays = [a.data if isinstance(a, Tensor) else a for a in args]
         out = node.forward(*arrays)
-        if is_grad_enabled():
+        if isinstance(out, numpy.generic):
+            out = numpy.asarray(out)  # 0-d numpy arithmetic returns scalars; tensors hold arrays
+        # Integer and bool outputs (comparisons, argmax-like ops) carry no gradient.
+        if is_grad_enabled() and out.dtype.kind in "fc":
             inputs = tuple((i, a) for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad)
             if inputs:
                 needs = [False] * len(args)

@@ -27,6 +27,18 @@ def _is_float(a):
     return np.issubdtype(np.asarray(a).dtype, np.floating)
 
 
+def _normalise(inputs):
+    """NumPy scalars (what 0-d arithmetic returns) become 0-d arrays; float arrays float64."""
+    out = []
+    for a in inputs:
+        if isinstance(a, np.generic):
+            a = np.asarray(a)
+        if isinstance(a, np.ndarray) and _is_float(a):
+            a = a.astype(np.float64)
+        out.append(a)
+    return out
+
+
 def _to_tensors(inputs, dtype, requires_grad):
     out = []
     for a in inputs:
@@ -73,7 +85,7 @@ def check_backward(fn, inputs, gy=None, positions=None, eps=1e-6, rtol=1e-5, ato
         positions: which inputs to check (default: every float ndarray input).
         gy: upstream gradient (default: random normal of the output's shape).
     """
-    inputs = [a.astype(np.float64) if isinstance(a, np.ndarray) and _is_float(a) else a for a in inputs]
+    inputs = _normalise(inputs)
     if positions is None:
         positions = [i for i, a in enumerate(inputs) if isinstance(a, np.ndarray) and _is_float(a)]
     ts = _to_tensors(inputs, np.float64, requires_grad=True)
@@ -98,7 +110,7 @@ def check_backward(fn, inputs, gy=None, positions=None, eps=1e-6, rtol=1e-5, ato
 def check_op(fn, inputs, reference=None, positions=None, eps=1e-6, rtol=1e-5, atol=1e-7,
              fwd_rtol=1e-10, fwd_atol=1e-12, check_float32=True):
     """Forward vs reference, backward vs finite differences (float64), and the float32 path."""
-    inputs = [a.astype(np.float64) if isinstance(a, np.ndarray) and _is_float(a) else a for a in inputs]
+    inputs = _normalise(inputs)
     if reference is not None:
         check_forward(fn, inputs, reference, rtol=fwd_rtol, atol=fwd_atol)
     check_backward(fn, inputs, positions=positions, eps=eps, rtol=rtol, atol=atol)

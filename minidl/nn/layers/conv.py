@@ -1,0 +1,114 @@
+"""Conv2d: 2-D convolution over NCHW inputs (MindSpore defaults: pad_mode='same', no bias)."""
+from ... import ops
+from ...tensor import float32
+from ..cell import Cell
+from .basic import check_positive_int, default_bias_init, default_weight_init, make_parameter
+
+_PAD_MODES = ("same", "valid", "pad")
+
+
+def _pair(who, arg, value):
+    """An int or a pair of positive ints, as a pair."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value, value)
+    if (not isinstance(value, (tuple, list)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)):
+        raise ValueError(f"{who}: {arg} must be a positive int or a pair of positive ints, got {value!r}")
+    return tuple(value)
+
+
+def _padding(who, padding, pad_mode):
+    """An int or a (top, bottom, left, right) tuple of non-negative ints; non-zero only with 'pad'."""
+    if isinstance(padding, int) and not isinstance(padding, bool):
+        pads = (padding,) * 4
+    elif isinstance(padding, (tuple, list)) and len(padding) == 4:
+        pads = tuple(padding)
+    else:
+        raise ValueError(f"{who}: padding must be an int or a (top, bottom, left, right) tuple, got {padding!r}")
+    if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pads):
+        raise ValueError(f"{who}: padding values must be non-negative ints, got {padding!r}")
+    if pad_mode != "pad" and any(pads):
+        raise ValueError(f"{who}: padding={padding!r} needs pad_mode='pad', got pad_mode={pad_mode!r}")
+    return padding if isinstance(padding, int) else pads
+
+
+class Conv2d(Cell):
+    """2-D convolution: ``y = conv(x, weight) (+ bias)`` over (N, C, H, W) inputs.
+
+    Args:
+        in_channels: input channels C.
+        out_channels: output channels.
+        kernel_size: int or (kh, kw).
+        stride: int or (sh, sw).
+        pad_mode: 'same' (output H = ceil(H / stride)), 'valid' (no padding) or 'pad'
+            (explicit ``padding``).
+        padding: int or (top, bottom, left, right); only with pad_mode='pad'.
+        dilation: int or (dh, dw).
+        group: number of groups; in_channels and out_channels must be divisible by it.
+        has_bias: add a per-channel bias (MindSpore's default is False).
+        weight_init: initializer of the (out, in/group, kh, kw) weight (default
+            HeUniform(negative_slope=sqrt(5)), as MindSpore 2.x and PyTorch).
+        bias_init: initializer of the bias (default U(-1/sqrt(fan_in), 1/sqrt(fan_in))).
+        data_format: only 'NCHW'.
+
+    Example:
+        >>> conv = nn.Conv2d(3, 16, 3, pad_mode="pad", padding=1)
+        >>> conv(minidl.Tensor(np.ones((2, 3, 8, 8), np.float32))).shape
+        (2, 16, 8, 8)
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, pad_mode="same", padding=0,
+                 dilation=1, group=1, has_bias=False, weight_init=None, bias_init=None, data_format="NCHW",
+                 dtype=float32):
+        super().__init__()
+        who = "Conv2d"
+        self.in_channels = check_positive_int(who, "in_channels", in_channels)
+        self.out_channels = check_positive_int(who, "out_channels", out_channels)
+        self.group = check_positive_int(who, "group", group)
+        if in_channels % group or out_channels % group:
+            raise ValueError(f"{who}: in_channels={in_channels} and out_channels={out_channels} must both be "
+                             f"divisible by group={group}")
+        self.kernel_size = _pair(who, "kernel_size", kernel_size)
+        self.stride = _pair(who, "stride", stride)
+        self.dilation = _pair(who, "dilation", dilation)
+        if pad_mode not in _PAD_MODES:
+            raise ValueError(f"{who}: pad_mode must be one of {_PAD_MODES}, got {pad_mode!r}")
+        self.pad_mode = pad_mode
+        self.padding = _padding(who, padding, pad_mode)
+        if data_format != "NCHW":
+            raise ValueError(f"{who}: only data_format='NCHW' is supported, got {data_format!r}")
+        self.data_format = data_format
+        self.has_bias = bool(has_bias)
+        shape = (out_channels, in_channels // group) + self.kernel_size
+        if weight_init is None:
+            weight_init = default_weight_init()
+        self.weight = make_parameter(who, "weight_init", weight_init, shape, dtype)
+        self.bias = None
+        if self.has_bias:
+            if bias_init is None:
+                bias_init = default_bias_init(shape[1] * shape[2] * shape[3])
+            self.bias = make_parameter(who, "bias_init", bias_init, (out_channels,), dtype)
+        self.conv2d = ops.Conv2D(out_channels, self.kernel_size, mode=1, pad_mode=pad_mode, pad=self.padding,
+                                 stride=self.stride, dilation=self.dilation, group=group)
+        self.bias_add = ops.BiasAdd()
+
+    def construct(self, x):
+        shape = x.shape
+        if len(shape) != 4 or shape[1] != self.in_channels:
+            raise ValueError(f"Conv2d: input of shape {tuple(shape)} must be (N, C, H, W) with "
+                             f"C = in_channels = {self.in_channels}")
+        y = self.conv2d(x, self.weight)
+        if self.has_bias:
+            y = self.bias_add(y, self.bias)
+        return y
+
+    def extend_repr(self):
+        s = (f"input_channels={self.in_channels}, output_channels={self.out_channels}, "
+             f"kernel_size={self.kernel_size}, stride={self.stride}, pad_mode={self.pad_mode}")
+        if self.pad_mode == "pad":
+            s += f", padding={self.padding}"
+        if self.dilation != (1, 1):
+            s += f", dilation={self.dilation}"
+        if self.group != 1:
+            s += f", group={self.group}"
+        return s + f", has_bias={self.has_bias}"

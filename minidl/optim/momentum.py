@@ -1,0 +1,54 @@
+"""Momentum SGD as MindSpore's nn.Momentum (the ApplyMomentum rule)."""
+import numbers
+
+from ..backend import get_array_module
+from .optimizer import Optimizer
+
+__all__ = ["Momentum"]
+
+
+class Momentum(Optimizer):
+    """Momentum: with momentum u, on the effective gradient g (see Optimizer):
+
+        v = u * v + g                      (v starts at zero)
+        p = p - lr * v                     (use_nesterov: p = p - lr * (g + u * v))
+
+    Unlike SGD, there is no dampening and no first-step special case. Buffers:
+    "moments.<name>" (v), as MindSpore names them.
+
+    Args:
+        params: Parameters or group dicts (see Optimizer).
+        learning_rate: float, per-step list or schedule.
+        momentum: u >= 0.
+        weight_decay, loss_scale: see Optimizer.
+        use_nesterov: Nesterov momentum.
+
+    Example:
+        >>> opt = Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9, weight_decay=1e-4)
+    """
+
+    def __init__(self, params, learning_rate, momentum, weight_decay=0.0, loss_scale=1.0, use_nesterov=False):
+        super().__init__(learning_rate, params, weight_decay, loss_scale)
+        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
+            raise TypeError(f"{self._who}: momentum must be a number, got {momentum!r}")
+        if momentum < 0:
+            raise ValueError(f"{self._who}: momentum must be >= 0, got {momentum!r}")
+        if not isinstance(use_nesterov, bool):
+            raise TypeError(f"{self._who}: use_nesterov must be a bool, got {use_nesterov!r}")
+        self.momentum = float(momentum)
+        self.use_nesterov = use_nesterov
+        self._moments = [self._new_buffer("moments", i) for i in range(len(self.parameters))]
+
+    def _update(self, i, w, g, lr):
+        xp = get_array_module(w)
+        v = self._moments[i].data
+        s = self._scratch(w, 1)
+        v *= self.momentum
+        v += g
+        if self.use_nesterov:
+            xp.multiply(v, self.momentum, out=s)
+            s += g
+            s *= lr
+        else:
+            xp.multiply(v, lr, out=s)
+        w -= s

@@ -1,0 +1,189 @@
+"""Losses: values against NumPy formulas (PyTorch / MindSpore semantics), gradients, errors."""
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings, strategies as st
+
+from minidl import Tensor, nn
+from minidl.testing import check_op
+from minidl.testing.strategies import arrays
+
+reductions = st.sampled_from(["mean", "sum", "none"])
+
+
+def reduce(per, reduction):
+    return {"mean": np.mean, "sum": np.sum, "none": lambda a: a}[reduction](per)
+
+
+def log_softmax(x, axis=-1):
+    m = x.max(axis, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis, keepdims=True))
+
+
+def ce_ref(logits, labels, weight=None, ignore_index=-100, reduction="mean", smoothing=0.0):
+    """Cross entropy as PyTorch defines it (class axis 1; index or probability labels)."""
+    x, y = logits, np.asarray(labels)
+    if x.ndim == 1:
+        x, y = x[None], (y[None] if y.ndim == 0 else y[None])
+    n_classes = x.shape[1]
+    batch_shape = (x.shape[0],) + x.shape[2:]
+    logp = log_softmax(np.moveaxis(x, 1, -1).reshape(-1, n_classes))
+    w = np.ones(n_classes) if weight is None else np.asarray(weight, np.float64)
+    if np.issubdtype(y.dtype, np.integer):
+        y = y.reshape(-1)
+        valid = y != ignore_index
+        ys = np.where(valid, y, 0)
+        nll = -logp[np.arange(len(ys)), ys] * w[ys] * valid
+        smooth = -(logp * w).sum(-1) * valid
+        per = (1 - smoothing) * nll + smoothing / n_classes * smooth
+        denominator = (w[ys] * valid).sum()
+    else:
+        t = np.moveaxis(y, 1, -1).reshape(-1, n_classes) * (1 - smoothing) + smoothing / n_classes
+        per = -(t * w * logp).sum(-1)
+        denominator = per.shape[0]
+    if reduction == "none":
+        return per.reshape(batch_shape if logits.ndim > 1 else ())
+    return per.sum() if reduction == "sum" else per.sum() / denominator
+
+
+# -- MSE, L1 ---------------------------------------------------------------------------
+
+@given(shape=st.sampled_from([(3,), (2, 3), (2, 1, 3)]), reduction=reductions, data=st.data())
+def test_mse_loss(shape, reduction, data):
+    x, y = data.draw(arrays(shape)), data.draw(arrays(shape))
+    loss = nn.MSELoss(reduction)
+    check_op(lambda x, y: loss(x, y), [x, y], reference=lambda x, y: reduce((x - y) ** 2, reduction))
+
+
+@given(shape=st.sampled_from([(3,), (2, 3), (2, 1, 3)]), reduction=reductions, data=st.data())
+def test_l1_loss(shape, reduction, data):
+    x, y = data.draw(arrays(shape)), data.draw(arrays(shape))
+    assume(np.all(np.abs(x - y) > 1e-3))  # |.| has no derivative at 0
+    loss = nn.L1Loss(reduction)
+    check_op(lambda x, y: loss(x, y), [x, y], reference=lambda x, y: reduce(np.abs(x - y), reduction))
+
+
+def test_loss_base_get_loss_weights_and_reduction_error():
+    base = nn.LossBase("sum")
+    x = Tensor(np.array([1.0, 2.0, 3.0], np.float32))
+    assert base.get_loss(x).item() == pytest.approx(6.0)
+    assert base.get_loss(x, Tensor(np.array([1.0, 0.0, 2.0], np.float32))).item() == pytest.approx(7.0)
+    assert nn.LossBase("none").get_loss(x) is x
+    for cls in (nn.MSELoss, nn.L1Loss, nn.LossBase, nn.CrossEntropyLoss):
+        with pytest.raises(ValueError, match=f"{cls.__name__}: reduction must be one of 'mean', 'sum', 'none', "
+                                             f"got 'avg'"):
+            cls(reduction="avg")
+    with pytest.raises(ValueError, match="SoftmaxCrossEntropyWithLogits: reduction must be one of"):
+        nn.SoftmaxCrossEntropyWithLogits(reduction="elementwise")
+
+
+# -- SoftmaxCrossEntropyWithLogits -----------------------------------------------------
+
+@given(n=st.integers(1, 4), c=st.integers(2, 4), sparse=st.booleans(), reduction=reductions, data=st.data())
+def test_softmax_cross_entropy_with_logits(n, c, sparse, reduction, data):
+    x = data.draw(arrays((n, c)))
+    labels = np.array(data.draw(st.lists(st.integers(0, c - 1), min_size=n, max_size=n)), np.int32)
+    target = labels if sparse else np.eye(c)[labels]
+    loss = nn.SoftmaxCrossEntropyWithLogits(sparse=sparse, reduction=reduction)
+    check_op(lambda x, t: loss(x, t), [x, target], positions=[0],
+             reference=lambda x, t: reduce(ce_ref(x, labels, reduction="none"), reduction))
+
+
+def test_softmax_cross_entropy_defaults_and_errors():
+    loss = nn.SoftmaxCrossEntropyWithLogits()
+    assert not loss.sparse and loss.reduction == "none"  # MindSpore's defaults
+    x = np.array([[1.0, 2.0, 0.5], [0.1, 0.2, 3.0]], np.float32)
+    t = np.array([[0.2, 0.8, 0.0], [0.0, 0.0, 1.0]], np.float32)
+    np.testing.assert_allclose(loss(Tensor(x), Tensor(t)).asnumpy(), -(t * log_softmax(x)).sum(1), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"SoftmaxCrossEntropyWithLogits: logits must be \(N, C\), got shape \(3,\)"):
+        loss(Tensor(x[0]), Tensor(t[0]))
+
+
+# -- CrossEntropyLoss ------------------------------------------------------------------
+
+@st.composite
+def ce_cases(draw):
+    c = draw(st.integers(2, 4))
+    shape = draw(st.sampled_from([(c,), (2, c), (3, c), (2, c, 2), (1, c, 2, 2)]))
+    batch = (shape[0],) + shape[2:] if len(shape) > 1 else ()
+    probabilities = draw(st.booleans())
+    if probabilities:
+        raw = draw(arrays(shape, 0.0, 1.0)) + 1e-3
+        labels = raw / raw.sum(axis=0 if len(shape) == 1 else 1, keepdims=True)
+        ignore = -100
+    else:
+        labels = np.array(draw(st.lists(st.integers(0, c - 1), min_size=int(np.prod(batch)),
+                                        max_size=int(np.prod(batch)))), np.int64).reshape(batch)
+        ignore = draw(st.sampled_from([-100, 0]))
+        assume(ignore != 0 or np.any(labels != 0))  # a mean over no sample is 0/0
+    weight = draw(st.none() | arrays((c,), 0.5, 2.0))
+    smoothing = draw(st.sampled_from([0.0, 0.0, 0.1]))
+    reduction = draw(reductions)
+    logits = draw(arrays(shape))
+    return logits, labels, weight, ignore, reduction, smoothing
+
+
+@given(case=ce_cases())
+def test_cross_entropy_loss_forward(case):
+    logits, labels, weight, ignore, reduction, smoothing = case
+    loss = nn.CrossEntropyLoss(weight=weight, ignore_index=ignore, reduction=reduction, label_smoothing=smoothing)
+    y = loss(Tensor(logits), Tensor(labels))
+    expected = ce_ref(logits, labels, weight, ignore, reduction, smoothing)
+    assert y.shape == np.shape(expected) and y.dtype == np.float64
+    np.testing.assert_allclose(y.asnumpy(), expected, rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=6)
+@given(case=ce_cases())
+def test_cross_entropy_loss_gradients(case):
+    logits, labels, weight, ignore, reduction, smoothing = case
+    loss = nn.CrossEntropyLoss(weight=weight, ignore_index=ignore, reduction=reduction, label_smoothing=smoothing)
+    inputs = [logits, labels.astype(np.int64)] if labels.dtype.kind == "i" else [logits, labels]
+    check_op(lambda x, t: loss(x, t), inputs, positions=[0],
+             reference=lambda x, t: ce_ref(x, labels, weight, ignore, reduction, smoothing))
+
+
+def test_cross_entropy_ignore_index_and_weights_by_hand():
+    x = np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.8, 0.1], [0.2, 0.2, 0.6]]))
+    labels = np.array([0, 1, -100])
+    # The ignored sample counts neither in the sum nor in the mean's denominator.
+    got = nn.CrossEntropyLoss()(Tensor(x), Tensor(labels)).item()
+    assert got == pytest.approx(-(np.log(0.5) + np.log(0.8)) / 2)
+    weighted = nn.CrossEntropyLoss(weight=np.array([2.0, 1.0, 1.0]))(Tensor(x), Tensor(labels)).item()
+    assert weighted == pytest.approx(-(2 * np.log(0.5) + np.log(0.8)) / 3)
+    per = nn.CrossEntropyLoss(reduction="none")(Tensor(x), Tensor(labels)).asnumpy()
+    np.testing.assert_allclose(per, [-np.log(0.5), -np.log(0.8), 0.0], rtol=1e-12)
+
+
+def test_cross_entropy_float32_and_int32_labels():
+    x = np.random.default_rng(0).standard_normal((4, 5)).astype(np.float32)
+    labels = np.array([0, 4, 2, 2], np.int32)
+    y = nn.CrossEntropyLoss()(Tensor(x), Tensor(labels))
+    assert y.dtype == np.float32 and y.shape == ()
+    assert y.item() == pytest.approx(ce_ref(x.astype(np.float64), labels), rel=1e-5)
+
+
+def test_cross_entropy_errors():
+    loss = nn.CrossEntropyLoss()
+    x = Tensor(np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"CrossEntropyLoss: labels \[3, 7\] are outside \[0, 3\)"):
+        loss(x, Tensor(np.array([3, 7])))
+    with pytest.raises(ValueError, match=r"CrossEntropyLoss: class-index labels of shape \(3,\) do not match logits "
+                                         r"of shape \(2, 3\): expected labels of shape \(2,\)"):
+        loss(x, Tensor(np.array([0, 1, 2])))
+    with pytest.raises(ValueError, match=r"CrossEntropyLoss: probability labels of shape \(2, 2\) must match the "
+                                         r"logits' shape \(2, 3\)"):
+        loss(x, Tensor(np.zeros((2, 2), np.float32)))
+    with pytest.raises(ValueError, match=r"CrossEntropyLoss: weight has 2 entries but logits of shape \(2, 3\) have "
+                                         r"3 classes"):
+        nn.CrossEntropyLoss(weight=np.ones(2))(x, Tensor(np.array([0, 1])))
+    with pytest.raises(ValueError, match=r"CrossEntropyLoss: label_smoothing must be in \[0, 1\], got 1.5"):
+        nn.CrossEntropyLoss(label_smoothing=1.5)
+
+
+def test_cross_entropy_reference_agrees_with_hand_formula():
+    """Guards the NumPy reference itself on a case small enough to work out by hand."""
+    x = np.log(np.array([[0.7, 0.2, 0.1]]))
+    s = 0.3
+    expected = (1 - s) * -np.log(0.7) + s / 3 * -(np.log(0.7) + np.log(0.2) + np.log(0.1))
+    assert ce_ref(x, np.array([0]), smoothing=s) == pytest.approx(expected)
+    assert ce_ref(x, np.array([[1.0, 0.0, 0.0]]), smoothing=s) == pytest.approx(expected)

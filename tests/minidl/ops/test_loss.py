@@ -1,0 +1,197 @@
+"""Softmax cross-entropy primitives, cross_entropy and mse_loss: forward vs NumPy, gradients, errors."""
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from minidl import ops, Tensor
+from minidl.testing import check_op, check_backward
+from minidl.testing.strategies import arrays, shapes
+
+
+def np_log_softmax(x, axis):
+    m = x.max(axis=axis, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=axis, keepdims=True))
+
+
+def np_cross_entropy(x, t, weight=None, ignore_index=-100, reduction="mean", s=0.0):
+    """PyTorch's cross_entropy written out sample by sample (class axis 1, or 0 for 1-D)."""
+    if x.ndim == 1:
+        x, t = x[None], np.asarray(t)[None]
+        squeeze = True
+    else:
+        squeeze = False
+    c = x.shape[1]
+    logp = np.moveaxis(np_log_softmax(x, 1), 1, -1).reshape(-1, c)
+    w = np.ones(c) if weight is None else weight
+    if np.issubdtype(t.dtype, np.floating):
+        tp = np.moveaxis(t, 1, -1).reshape(-1, c) * (1 - s) + s / c
+        per = -(logp * tp * w).sum(axis=1)
+        denominator = len(per)
+    else:
+        labels = t.reshape(-1)
+        per, denominator = np.zeros(len(labels)), 0.0
+        for i, y in enumerate(labels):
+            if y == ignore_index:
+                continue
+            per[i] = (1 - s) * w[y] * -logp[i, y] + s / c * -(w * logp[i]).sum()
+            denominator += w[y]
+    if reduction == "none":
+        batch = (x.shape[0],) + x.shape[2:]
+        return per.reshape(()) if squeeze else per.reshape(batch)
+    return per.sum() if reduction == "sum" else per.sum() / denominator
+
+
+@st.composite
+def logits_and_labels(draw, sparse):
+    n, c = draw(st.integers(1, 4)), draw(st.integers(1, 5))
+    x = draw(arrays((n, c), -4.0, 4.0))
+    if sparse:
+        return x, np.array(draw(st.lists(st.integers(0, c - 1), min_size=n, max_size=n)), np.int32)
+    return x, draw(arrays((n, c), 0.0, 1.0))  # any nonnegative rows: the gradient stays exact
+
+
+@given(case=logits_and_labels(sparse=False))
+def test_softmax_cross_entropy(case):
+    ref = lambda x, t: -(t * np_log_softmax(x, 1)).sum(axis=1)
+    check_op(ops.softmax_cross_entropy, list(case), reference=ref)
+
+
+@given(case=logits_and_labels(sparse=True))
+def test_sparse_softmax_cross_entropy(case):
+    x, t = case
+    ref = lambda x, t: -np_log_softmax(x, 1)[np.arange(len(t)), t]
+    check_op(ops.sparse_softmax_cross_entropy, [x, t], reference=ref)
+
+
+def test_dense_gradient_is_softmax_minus_onehot():
+    rng = np.random.default_rng(1)
+    x = Tensor(rng.standard_normal((3, 4)), requires_grad=True)
+    onehot = np.eye(4)[[2, 0, 3]]
+    gy = np.array([1.0, 2.0, -0.5])
+    ops.SoftmaxCrossEntropyWithLogits()(x, Tensor(onehot)).backward(Tensor(gy))
+    expected = (np.exp(np_log_softmax(x.asnumpy(), 1)) - onehot) * gy[:, None]
+    np.testing.assert_allclose(x.grad.asnumpy(), expected, rtol=1e-12)
+
+
+def test_sparse_matches_dense_with_onehot():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    labels = np.array([0, 2, 1, 1, 0])
+    dense = ops.softmax_cross_entropy(Tensor(x), Tensor(np.eye(3, dtype=np.float32)[labels]))
+    sparse = ops.sparse_softmax_cross_entropy(Tensor(x), Tensor(labels))
+    assert sparse.dtype == np.float32 and dense.dtype == np.float32
+    np.testing.assert_allclose(sparse.asnumpy(), dense.asnumpy(), rtol=1e-6)
+
+
+def test_large_logits_stay_finite():
+    x = Tensor(np.array([[1e4, -1e4, 0.0], [-3e4, -3e4, -3e4]], np.float32), requires_grad=True)
+    loss = ops.sparse_softmax_cross_entropy(x, Tensor(np.array([1, 0])))
+    np.testing.assert_allclose(loss.asnumpy(), [2e4, np.log(3.0)], rtol=1e-6)
+    loss.sum().backward()
+    assert np.isfinite(x.grad.asnumpy()).all()
+
+
+@pytest.mark.parametrize("label", [-1, 3])
+def test_sparse_label_out_of_range(label):
+    with pytest.raises(ValueError, match=rf"SparseSoftmaxCrossEntropyWithLogits: label {label} is out of range "
+                                         rf"for 3 classes"):
+        ops.sparse_softmax_cross_entropy(Tensor(np.zeros((2, 3))), Tensor(np.array([0, label])))
+
+
+def test_primitive_shape_and_type_errors():
+    x = Tensor(np.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"SoftmaxCrossEntropyWithLogits: labels of shape \(2, 4\) must match "
+                                         r"logits of shape \(2, 3\)"):
+        ops.softmax_cross_entropy(x, Tensor(np.zeros((2, 4))))
+    with pytest.raises(ValueError, match=r"SoftmaxCrossEntropyWithLogits: logits must be 2-D \(N, C\), got shape \(3,\)"):
+        ops.softmax_cross_entropy(Tensor(np.zeros(3)), Tensor(np.zeros(3)))
+    with pytest.raises(TypeError, match=r"SoftmaxCrossEntropyWithLogits: labels must be float probabilities"):
+        ops.softmax_cross_entropy(x, Tensor(np.zeros((2, 3), np.int32)))
+    with pytest.raises(ValueError, match=r"SparseSoftmaxCrossEntropyWithLogits: labels of shape \(3,\) do not "
+                                         r"match logits of shape \(2, 3\): expected labels of shape \(2,\)"):
+        ops.sparse_softmax_cross_entropy(x, Tensor(np.zeros(3, np.int32)))
+    with pytest.raises(TypeError, match=r"SparseSoftmaxCrossEntropyWithLogits: labels must be integer class "
+                                        r"indices, got dtype float32"):
+        ops.sparse_softmax_cross_entropy(x, Tensor(np.zeros(2, np.float32)))
+
+
+@st.composite
+def cross_entropy_case(draw):
+    """Logits of rank 1 to 3, index or probability targets, and every option."""
+    rank = draw(st.integers(1, 3))
+    shape = draw(shapes(min_dims=rank, max_dims=rank, max_side=3))
+    axis = 0 if rank == 1 else 1
+    c = shape[axis]
+    x = draw(arrays(shape, -3.0, 3.0))
+    batch = shape[:axis] + shape[axis + 1:]
+    probabilities = draw(st.booleans())
+    ignore_index = draw(st.sampled_from([-100, 0]))
+    if probabilities:
+        t = draw(arrays(shape, 0.0, 1.0))
+    else:
+        t = np.array(draw(st.lists(st.integers(0, c - 1), min_size=int(np.prod(batch)),
+                                   max_size=int(np.prod(batch)))), np.int64).reshape(batch)
+        if ignore_index == 0 and (t != 0).sum() == 0:
+            ignore_index = -100  # keep a counted sample: the mean over none is 0/0
+    weight = draw(st.one_of(st.none(), arrays((c,), 0.5, 2.0)))
+    reduction = draw(st.sampled_from(["mean", "sum", "none"]))
+    s = draw(st.sampled_from([0.0, 0.1]))
+    return x, t, weight, ignore_index, reduction, s
+
+
+@given(case=cross_entropy_case())
+def test_cross_entropy(case):
+    x, t, weight, ignore_index, reduction, s = case
+    fn = lambda x: ops.cross_entropy(x, Tensor(t), weight, ignore_index, reduction, s)
+    ref = lambda x: np_cross_entropy(x, t, weight, ignore_index, reduction, s)
+    check_op(fn, [x], reference=ref)
+
+
+def test_cross_entropy_fast_path_with_ignored_samples():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 3))
+    t = np.array([2, -100, 0, 1])
+    for reduction in ("mean", "sum", "none"):
+        fn = lambda x: ops.cross_entropy(x, Tensor(t), reduction=reduction)
+        check_op(fn, [x], reference=lambda x: np_cross_entropy(x, t, reduction=reduction))
+
+
+def test_cross_entropy_float32():
+    x = Tensor(np.random.default_rng(4).standard_normal((3, 4)).astype(np.float32), requires_grad=True)
+    loss = ops.cross_entropy(x, Tensor(np.array([0, 3, 1])), weight=np.array([1, 2, 1, 0.5]), label_smoothing=0.2)
+    assert loss.dtype == np.float32 and loss.shape == ()
+    loss.backward()
+    assert x.grad.dtype == np.float32
+
+
+def test_cross_entropy_errors():
+    x = Tensor(np.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"cross_entropy: label 3 is out of range for 3 classes"):
+        ops.cross_entropy(x, Tensor(np.array([0, 3])))
+    with pytest.raises(ValueError, match=r"cross_entropy: labels of shape \(3,\) do not match logits of shape "
+                                         r"\(2, 3\): expected labels of shape \(2,\)"):
+        ops.cross_entropy(x, Tensor(np.array([0, 1, 2])))
+    with pytest.raises(ValueError, match=r"cross_entropy: probability target of shape \(2, 2\) must match input"):
+        ops.cross_entropy(x, Tensor(np.zeros((2, 2))))
+    with pytest.raises(ValueError, match=r"cross_entropy: weight of shape \(2,\) must be \(3,\)"):
+        ops.cross_entropy(x, Tensor(np.array([0, 1])), weight=np.ones(2))
+    with pytest.raises(ValueError, match=r"cross_entropy: reduction must be one of .* got 'avg'"):
+        ops.cross_entropy(x, Tensor(np.array([0, 1])), reduction="avg")
+    with pytest.raises(ValueError, match=r"cross_entropy: label_smoothing must be in \[0, 1\], got 1.5"):
+        ops.cross_entropy(x, Tensor(np.array([0, 1])), label_smoothing=1.5)
+    with pytest.raises(ValueError, match=r"cross_entropy: input must have a class dimension"):
+        ops.cross_entropy(Tensor(np.array(1.0)), Tensor(np.array(0)))
+
+
+@given(shape=shapes(max_dims=3, max_side=3), reduction=st.sampled_from(["mean", "sum", "none"]), data=st.data())
+def test_mse_loss(shape, reduction, data):
+    x, y = data.draw(arrays(shape)), data.draw(arrays(shape))
+    reduce = {"mean": np.mean, "sum": np.sum, "none": lambda a: a}[reduction]
+    check_op(lambda x, y: ops.mse_loss(x, y, reduction), [x, y], reference=lambda x, y: reduce((x - y) ** 2))
+
+
+def test_mse_loss_broadcasts_and_checks_reduction():
+    x = np.arange(6.0).reshape(2, 3)
+    check_backward(lambda x, y: ops.mse_loss(x, y), [x, np.array([1.0, 0.0, 2.0])])
+    with pytest.raises(ValueError, match=r"mse_loss: reduction must be one of"):
+        ops.mse_loss(Tensor(x), Tensor(x), reduction="max")

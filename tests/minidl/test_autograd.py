@@ -1,0 +1,122 @@
+"""The engine: accumulation, shared subgraphs, no_grad, value_and_grad semantics."""
+import numpy as np
+import pytest
+
+import minidl
+from minidl import Tensor, Parameter, ops, no_grad, value_and_grad, grad
+
+
+def test_gradient_accumulates_over_uses_and_calls():
+    x = Tensor(np.array([1.0, 2.0]), requires_grad=True)
+    y = x * x + x * 3.0  # x used three times
+    y.backward(Tensor(np.ones(2)))
+    np.testing.assert_allclose(x.grad.asnumpy(), 2 * np.array([1.0, 2.0]) + 3)
+    (x * 2.0).backward(Tensor(np.ones(2)))  # a second backward adds, as in PyTorch
+    np.testing.assert_allclose(x.grad.asnumpy(), 2 * np.array([1.0, 2.0]) + 5)
+
+
+def test_shared_gradient_buffers_are_not_corrupted():
+    # Add returns gy itself for both inputs; accumulating into one must not touch the other.
+    a = Tensor(np.ones(2), requires_grad=True)
+    b = Tensor(np.ones(2), requires_grad=True)
+    s = a + b
+    out = s * 1.0 + a  # a receives two contributions, b one
+    out.backward(Tensor(np.ones(2)))
+    np.testing.assert_array_equal(a.grad.asnumpy(), [2.0, 2.0])
+    np.testing.assert_array_equal(b.grad.asnumpy(), [1.0, 1.0])
+
+
+def test_diamond_graph():
+    x = Tensor(np.array(3.0), requires_grad=True)
+    h = x * x
+    y = h * h  # x ** 4
+    y.backward()
+    np.testing.assert_allclose(x.grad.asnumpy(), 4 * 27.0)
+
+
+def test_deep_chain_does_not_recurse():
+    x = Tensor(np.array(1.0), requires_grad=True)
+    y = x
+    for _ in range(5000):
+        y = y * 1.0
+    y.backward()
+    assert x.grad.item() == 1.0
+
+
+def test_backward_of_non_scalar_needs_a_gradient():
+    x = Tensor(np.ones(3), requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"only for a one-element output, got shape \(3,\)"):
+        (x * 2.0).backward()
+
+
+def test_backward_gradient_shape_is_checked():
+    x = Tensor(np.ones(3), requires_grad=True)
+    with pytest.raises(ValueError, match=r"gradient of shape \(2,\) does not match the output shape \(3,\)"):
+        (x * 2.0).backward(Tensor(np.ones(2)))
+
+
+def test_backward_without_graph_is_an_error():
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        Tensor(np.ones(1)).backward()
+
+
+def test_no_grad_records_nothing():
+    x = Tensor(np.ones(2), requires_grad=True)
+    with no_grad():
+        y = x * 2.0
+    assert not y.requires_grad and y.is_leaf
+
+    @no_grad()
+    def f(t):
+        return t * 2.0
+    assert not f(x).requires_grad
+    assert (x * 2.0).requires_grad
+
+
+def test_value_and_grad_inputs_default_to_position_0():
+    fn = value_and_grad(lambda x, y: (x * y).sum())
+    v, g = fn(Tensor(np.array([1.0, 2.0])), Tensor(np.array([3.0, 4.0])))
+    assert v.item() == 11.0
+    np.testing.assert_array_equal(g.asnumpy(), [3.0, 4.0])
+
+
+def test_value_and_grad_weights_and_aux():
+    w = Parameter(np.array([[2.0], [3.0]]), name="w")
+    b = Parameter(np.array([1.0]), name="b")
+    unused = Parameter(np.array([7.0]), name="unused")
+
+    def forward(x):
+        out = ops.matmul(x, w) + b
+        loss = ops.matmul(ops.reshape(out, (1, -1)), ops.reshape(out, (-1, 1)))
+        return ops.reshape(loss, ()), out
+
+    grad_fn = value_and_grad(forward, None, [w, b, unused], has_aux=True)
+    x = Tensor(np.array([[1.0, 1.0]]))
+    (loss, out), (gw, gb, gu) = grad_fn(x)
+    assert loss.item() == 36.0 and out.shape == (1, 1)
+    np.testing.assert_allclose(gw.asnumpy(), [[12.0], [12.0]])
+    np.testing.assert_allclose(gb.asnumpy(), [12.0])
+    np.testing.assert_array_equal(gu.asnumpy(), [0.0])  # unreached weight: zeros, as MindSpore
+    assert w.grad is None  # functional gradients do not touch .grad
+
+
+def test_value_and_grad_positions_and_weights_together():
+    w = Parameter(np.array([2.0]), name="w")
+    fn = value_and_grad(lambda x, y: ops.reshape(x * y * w, ()), (0, 1), w)
+    v, ((gx, gy), gw) = fn(np.array([3.0]), np.array([5.0]))
+    assert v.item() == 30.0
+    assert (gx.item(), gy.item(), gw.item()) == (10.0, 6.0, 15.0)
+
+
+def test_grad_returns_only_gradients():
+    g = grad(lambda x: ops.reshape(x * x, ()))(Tensor(np.array([3.0])))
+    assert g.item() == 6.0
+
+
+def test_value_and_grad_errors():
+    with pytest.raises(IndexError, match="grad_position 2 is out of range for 1"):
+        value_and_grad(lambda x: x, 2)(Tensor(np.ones(1)))
+    with pytest.raises(TypeError, match="has_aux=True needs fn to return"):
+        value_and_grad(lambda x: ops.reshape(x, ()), has_aux=True)(Tensor(np.ones(1)))
+    with pytest.raises(TypeError, match="weights must be Parameters"):
+        value_and_grad(lambda x: x, None, [1.0])

@@ -1,45 +1,26 @@
 """Conv2D forward + backward on the ResNet-20 shapes (batch 64): minidl vs PyTorch (CPU).
 
     python benchmarks/bench_conv.py                  # all shapes, threads = cpu count
-    python benchmarks/bench_conv.py --threads 1 --iters 5 --dtype float32
+    python benchmarks/bench_conv.py --threads 1 --iters 5 --dtype float64
 
 For each convolution shape of ResNet-20 prints the forward and forward+backward time of
-minidl and, when PyTorch is installed, of torch.nn.functional.conv2d with the same number
-of intra-op threads as NumPy's BLAS, and the ratio torch / minidl (above 1: minidl faster).
-The last line weights each shape by how often it occurs in one ResNet-20 training step.
-The first layer (3 input channels) runs without an input gradient, as in training.
+minidl and, when PyTorch is installed, of torch.nn.functional.conv2d with as many intra-op
+threads as NumPy's BLAS has, and the ratio torch / minidl (above 1: minidl is faster). The
+last line weights each shape by how often it occurs in one ResNet-20 training step. The
+stem (3 input channels) runs without an input gradient, as in training.
+
+Each framework runs in its own worker process, and the workers alternate for ``--repeats``
+rounds. Both in one process measured minidl up to 5x slower: after each parallel region the
+OpenMP threads of PyTorch and the OpenBLAS threads of NumPy spin-wait, and on a 2-core
+machine they take the cores from each other. Times are medians over all calls, which a
+few calls disturbed by other processes do not move.
 """
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
-
-
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--iters", type=int, default=10, help="timed iterations per round")
-    p.add_argument("--repeats", type=int, default=3, help="alternating rounds; the best is kept")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS / intra-op threads for both")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    return p.parse_args()
-
-
-args = parse_args()
-# Thread counts must be fixed before NumPy's BLAS is loaded.
-for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ[var] = str(args.threads)
-
-import numpy as np  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from minidl import ops, Tensor  # noqa: E402
-
-try:
-    import torch
-    torch.set_num_threads(args.threads)
-except ImportError:
-    torch = None
 
 # (name, in channels, out channels, input size, kernel, stride, padding, count in ResNet-20)
 SHAPES = [
@@ -54,18 +35,32 @@ SHAPES = [
 ]
 
 
-def best_time(fn, iters, repeats_state):
-    fn()  # warm-up: allocator, BLAS buffers
-    t = time.perf_counter()
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--iters", type=int, default=10, help="timed calls per shape and round")
+    p.add_argument("--repeats", type=int, default=3, help="alternating rounds of the two workers")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS / intra-op threads for both")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--worker", choices=["minidl", "torch"], help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def time_calls(fn, iters):
+    """Seconds per call, one sample per call (after one warm-up call)."""
+    fn()
+    out = []
     for _ in range(iters):
+        t = time.perf_counter()
         fn()
-    return (time.perf_counter() - t) / iters
+        out.append(time.perf_counter() - t)
+    return out
 
 
-def minidl_fns(x, w, stride, pad, need_gx):
+def minidl_fns(np, x, w, stride, pad, need_gx):
+    from minidl import ops, Tensor
     conv = ops.Conv2D(w.shape[0], w.shape[2:], pad_mode="pad", pad=pad, stride=stride)
-    tx = Tensor(x, requires_grad=need_gx)
-    tw = Tensor(w, requires_grad=True)
+    tx, tw = Tensor(x, requires_grad=need_gx), Tensor(w, requires_grad=True)
     y = conv(tx, tw)
     gy = Tensor(np.random.default_rng(1).standard_normal(y.shape).astype(x.dtype))
 
@@ -79,10 +74,11 @@ def minidl_fns(x, w, stride, pad, need_gx):
     return fwd, fwd_bwd
 
 
-def torch_fns(x, w, stride, pad, need_gx):
+def torch_fns(np, x, w, stride, pad, need_gx):
+    import torch
+    f = torch.nn.functional.conv2d
     tx = torch.from_numpy(x).requires_grad_(need_gx)
     tw = torch.from_numpy(w).requires_grad_(True)
-    f = torch.nn.functional.conv2d
     y = f(tx, tw, stride=stride, padding=pad)
     gy = torch.from_numpy(np.random.default_rng(1).standard_normal(tuple(y.shape)).astype(x.dtype))
 
@@ -97,38 +93,80 @@ def torch_fns(x, w, stride, pad, need_gx):
     return fwd, fwd_bwd
 
 
-def main():
+def worker(args):
+    """Times every shape in this process and prints {name: [fwd samples, fwd+bwd samples]} as JSON."""
+    # Thread counts must be fixed before NumPy's BLAS is loaded.
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
+    import numpy as np
+    if args.worker == "torch":
+        import torch
+        torch.set_num_threads(args.threads)
+        make, version = torch_fns, torch.__version__
+    else:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        make, version = minidl_fns, np.__version__
     rng = np.random.default_rng(0)
-    print(f"batch {args.batch}, {args.dtype}, {args.threads} thread(s), numpy {np.__version__}, "
-          f"torch {torch.__version__ if torch else 'not installed'}; times in ms (best of {args.repeats})")
-    head = f"{'shape':<22}{'n':>3}{'fwd':>9}{'fwd+bwd':>9}"
-    if torch:
-        head += f"{'torch fwd':>11}{'torch f+b':>11}{'ratio fwd':>11}{'ratio f+b':>11}"
-    print(head)
-    total_m = total_t = 0.0
-    for name, cin, cout, size, k, stride, pad, count in SHAPES:
+    result = {"version": version}
+    for name, cin, cout, size, k, stride, pad, _ in SHAPES:
         x = rng.standard_normal((args.batch, cin, size, size)).astype(args.dtype)
         w = (rng.standard_normal((cout, cin, k, k)) * 0.1).astype(args.dtype)
-        need_gx = cin != 3
-        runs = {"minidl": minidl_fns(x, w, stride, pad, need_gx)}
-        if torch:
-            runs["torch"] = torch_fns(x, w, stride, pad, need_gx)
-        best = {key: [float("inf"), float("inf")] for key in runs}
-        for _ in range(args.repeats):  # alternate frameworks so drifts hit both alike
-            for key, fns in runs.items():
-                for i, fn in enumerate(fns):
-                    best[key][i] = min(best[key][i], best_time(fn, args.iters, None))
-        m = best["minidl"]
+        result[name] = [time_calls(fn, args.iters) for fn in make(np, x, w, stride, pad, need_gx=cin != 3)]
+    print(json.dumps(result))
+
+
+def run_worker(args, which):
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", which, "--batch", str(args.batch),
+           "--iters", str(args.iters), "--threads", str(args.threads), "--dtype", args.dtype]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def median(values):
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else 0.5 * (values[mid - 1] + values[mid])
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    try:
+        import importlib.util
+        have_torch = importlib.util.find_spec("torch") is not None
+    except ValueError:
+        have_torch = False
+    frameworks = ["minidl"] + (["torch"] if have_torch else [])
+    samples = {fw: {name: ([], []) for name, *_ in SHAPES} for fw in frameworks}
+    versions = {}
+    for _ in range(args.repeats):  # alternate the workers so drifts of the machine hit both alike
+        for fw in frameworks:
+            res = run_worker(args, fw)
+            versions[fw] = res.pop("version")
+            for name, (fwd, fb) in res.items():
+                samples[fw][name][0].extend(fwd)
+                samples[fw][name][1].extend(fb)
+    times = {fw: {name: [median(s) for s in pair] for name, pair in per.items()} for fw, per in samples.items()}
+    print(f"batch {args.batch}, {args.dtype}, {args.threads} thread(s), numpy {versions['minidl']}, "
+          f"torch {versions.get('torch', 'not installed')}; median ms over {args.repeats * args.iters} calls")
+    head = f"{'shape':<22}{'n':>3}{'fwd':>9}{'fwd+bwd':>9}"
+    if have_torch:
+        head += f"{'torch fwd':>11}{'torch f+b':>11}{'ratio fwd':>11}{'ratio f+b':>11}"
+    print(head)
+    total = {fw: 0.0 for fw in frameworks}
+    for name, *_, count in SHAPES:
+        m = times["minidl"][name]
         line = f"{name:<22}{count:>3}{m[0] * 1e3:>9.2f}{m[1] * 1e3:>9.2f}"
-        total_m += count * m[1]
-        if torch:
-            t = best["torch"]
-            total_t += count * t[1]
+        for fw in frameworks:
+            total[fw] += count * times[fw][name][1]
+        if have_torch:
+            t = times["torch"][name]
             line += f"{t[0] * 1e3:>11.2f}{t[1] * 1e3:>11.2f}{t[0] / m[0]:>11.2f}{t[1] / m[1]:>11.2f}"
-        print(line, flush=True)
-    line = f"ResNet-20 convs per step (fwd+bwd, weighted): minidl {total_m * 1e3:.1f} ms"
-    if torch:
-        line += f", torch {total_t * 1e3:.1f} ms, ratio torch/minidl {total_t / total_m:.2f}"
+        print(line)
+    line = f"ResNet-20 convs per training step (fwd+bwd, weighted): minidl {total['minidl'] * 1e3:.1f} ms"
+    if have_torch:
+        line += f", torch {total['torch'] * 1e3:.1f} ms, ratio torch/minidl {total['torch'] / total['minidl']:.2f}"
     print(line)
 
 

@@ -22,7 +22,7 @@ Cells start in inference mode (``training`` is False), as in MindSpore: call
 """
 from collections import OrderedDict
 
-from ..tensor import Parameter, Tensor
+from ..tensor import Parameter
 
 
 class _AutoName(str):

@@ -58,7 +58,7 @@ class Dropout(Primitive):
                 gen = self._generators["numpy"] = numpy.random.default_rng([self.seed0, self.seed1])
             return gen.random(shape, dtype=numpy.float32)
         if not seeded:
-            return xp.random.random(shape, dtype=xp.float32)
+            return xp.random.random_sample(shape, dtype=xp.float32)
         gen = self._generators.get("cupy")
         if gen is None:
             gen = self._generators["cupy"] = xp.random.RandomState(self.seed0 * 2**32 + self.seed1)

@@ -6,8 +6,8 @@ using the unbiased variance for the running one, as PyTorch and MindSpore do. In
 normalises with the running statistics.
 
 It runs in every ResNet layer, so the bodies keep temporaries to the two full-size arrays
-that must exist anyway (the saved ``xhat`` and the output), reduce over all non-channel axes
-in one call, and stay in the input's dtype.
+that must exist anyway (the saved centred input and the output), reduce over all
+non-channel axes in one call, and stay in the input's dtype.
 """
 import numpy
 
@@ -95,7 +95,7 @@ class BatchNorm(Primitive):
         scale = scale.astype(dtype, copy=False).reshape(self.kept)
         bias = bias.astype(dtype, copy=False).reshape(self.kept)
         self.scale = scale
-        self.count = x.size // channels
+        self.count = x.size // max(channels, 1)
         if not self.is_training:
             mu = mean.astype(dtype, copy=False).reshape(self.kept)
             self.inv_std = 1.0 / xp.sqrt(variance.astype(dtype, copy=False).reshape(self.kept) + self.epsilon)
@@ -109,14 +109,15 @@ class BatchNorm(Primitive):
             raise ValueError(f"{self.name}: expected more than 1 value per channel when training, got input "
                              f"of shape {tuple(x.shape)} (the batch variance is undefined)")
         batch_mean = x.mean(axis=self.axes, keepdims=True)
-        xhat = x - batch_mean
-        y = xp.multiply(xhat, xhat)
-        # NOTE: two-pass variance (mean of centred squares): E[x^2] - E[x]^2 cancels badly in float32.
+        # NOTE: the centred x is saved instead of xhat = xc * inv_std: backward folds inv_std into
+        # its per-channel factors, which saves a full pass here at no cost there.
+        xc = x - batch_mean
+        y = xp.multiply(xc, xc)
+        # Two-pass variance (mean of centred squares): E[x^2] - E[x]^2 cancels badly in float32.
         batch_var = y.mean(axis=self.axes, keepdims=True)
         self.inv_std = 1.0 / xp.sqrt(batch_var + self.epsilon)
-        xhat *= self.inv_std
-        self.xhat = xhat
-        xp.multiply(xhat, scale, out=y)
+        self.xc = xc
+        xp.multiply(xc, scale * self.inv_std, out=y)
         y += bias
         if mean is not None:
             m = self.momentum
@@ -128,30 +129,32 @@ class BatchNorm(Primitive):
     def backward(self, gy):
         xp = get_array_module(gy)
         need_x, need_scale, need_bias = self.needs_grad[:3]
+        inv_std = self.inv_std
         if not self.is_training:
-            gx = gy * (self.scale * self.inv_std) if need_x else None
+            gx = gy * (self.scale * inv_std) if need_x else None
             gscale = gbias = None
             if need_scale:
-                xhat = (self.x - self.mu) * self.inv_std
-                xhat *= gy
-                gscale = xhat.sum(axis=self.axes)
+                buf = self.x - self.mu
+                buf *= gy
+                gscale = buf.sum(axis=self.axes) * inv_std.reshape(-1)
             if need_bias:
                 gbias = gy.sum(axis=self.axes)
             return gx, self._cast(gscale, self.scale_dtype), self._cast(gbias, self.bias_dtype), None, None
 
-        xhat = self.xhat
-        buf = gy * xhat
+        xc = self.xc
+        buf = gy * xc
         gscale = buf.sum(axis=self.axes, keepdims=True)
+        gscale *= inv_std  # sum(gy * xhat)
         gbias = gy.sum(axis=self.axes, keepdims=True)
         gx = None
         if need_x:
-            # gx = scale * inv_std / M * (M * gy - sum(gy) - xhat * sum(gy * xhat)), in buf.
+            # gx = scale * inv_std / M * (M * gy - sum(gy) - xhat * sum(gy * xhat)), built in buf
+            # with xhat = xc * inv_std folded into the per-channel factor.
             inv_m = 1.0 / self.count
-            k = self.scale * self.inv_std
-            xp.multiply(xhat, gscale * inv_m, out=buf)
+            xp.multiply(xc, gscale * inv_std * inv_m, out=buf)
+            buf += gbias * inv_m
             xp.subtract(gy, buf, out=buf)
-            buf -= gbias * inv_m
-            buf *= k
+            buf *= self.scale * inv_std
             gx = buf
         channels = gscale.size
         gscale = gscale.reshape(channels) if need_scale else None

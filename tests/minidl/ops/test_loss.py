@@ -103,7 +103,8 @@ def test_primitive_shape_and_type_errors():
     with pytest.raises(ValueError, match=r"SoftmaxCrossEntropyWithLogits: labels of shape \(2, 4\) must match "
                                          r"logits of shape \(2, 3\)"):
         ops.softmax_cross_entropy(x, Tensor(np.zeros((2, 4))))
-    with pytest.raises(ValueError, match=r"SoftmaxCrossEntropyWithLogits: logits must be 2-D \(N, C\), got shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"SoftmaxCrossEntropyWithLogits: logits must be 2-D \(N, C\), "
+                                         r"got shape \(3,\)"):
         ops.softmax_cross_entropy(Tensor(np.zeros(3)), Tensor(np.zeros(3)))
     with pytest.raises(TypeError, match=r"SoftmaxCrossEntropyWithLogits: labels must be float probabilities"):
         ops.softmax_cross_entropy(x, Tensor(np.zeros((2, 3), np.int32)))

@@ -21,6 +21,6 @@ def test_resnet_cifar_example_runs_and_learns():
 
 
 def test_example_rejects_bad_arguments():
-    out = subprocess.run([sys.executable, "examples/resnet_cifar.py", "--batch-size", "0"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "examples/resnet_cifar.py", "--batch-size", "0"], cwd=ROOT, env=ENV,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "--batch-size must be positive" in out.stderr

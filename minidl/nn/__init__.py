@@ -9,10 +9,14 @@ from .cell import Cell, SequentialCell, CellList
 from .layers import (ReLU, Sigmoid, Tanh, Softmax, LogSoftmax, get_activation, Dense, Flatten, Dropout,
                      Identity, Conv2d, BatchNorm1d, BatchNorm2d, MaxPool2d, AvgPool2d)
 from .loss import LossBase, SoftmaxCrossEntropyWithLogits, CrossEntropyLoss, MSELoss, L1Loss
-from ..optim import Optimizer, SGD, Momentum
+from ..optim import (Optimizer, SGD, Momentum, LearningRateSchedule, ExponentialDecayLR, CosineDecayLR,
+                     PolynomialDecayLR, WarmUpLR, PiecewiseConstantLR, piecewise_constant_lr,
+                     exponential_decay_lr, cosine_decay_lr, warmup_lr)
 
 __all__ = ["Cell", "SequentialCell", "CellList",
            "ReLU", "Sigmoid", "Tanh", "Softmax", "LogSoftmax", "get_activation", "Dense", "Flatten", "Dropout",
            "Identity", "Conv2d", "BatchNorm1d", "BatchNorm2d", "MaxPool2d", "AvgPool2d",
            "LossBase", "SoftmaxCrossEntropyWithLogits", "CrossEntropyLoss", "MSELoss", "L1Loss",
-           "Optimizer", "SGD", "Momentum"]
+           "Optimizer", "SGD", "Momentum", "LearningRateSchedule", "ExponentialDecayLR", "CosineDecayLR",
+           "PolynomialDecayLR", "WarmUpLR", "PiecewiseConstantLR", "piecewise_constant_lr",
+           "exponential_decay_lr", "cosine_decay_lr", "warmup_lr"]

@@ -6,9 +6,16 @@
 Prints images/s for each framework and the ratio minidl / PyTorch (PyTorch runs only when
 it is installed: `pip install torch==2.13.0`). Also prints the framework overhead of one
 tiny op (the cost of the Python layer around a 1-element NumPy add).
+
+Each framework runs in its own worker process, and the workers alternate for ``--repeats``
+rounds; the best round of each is kept. In one process the spin-waiting worker threads of
+OpenBLAS (NumPy) and OpenMP (PyTorch) take the 2 cores from each other and slow minidl
+down by 2x or more, which would measure the neighbour, not the framework.
 """
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -20,6 +27,7 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS / intra-op threads for both")
     p.add_argument("--repeats", type=int, default=3, help="alternating timing rounds; the best is kept")
+    p.add_argument("--worker", choices=["minidl", "pytorch"], help=argparse.SUPPRESS)
     return p.parse_args()
 
 
@@ -35,11 +43,10 @@ import minidl  # noqa: E402
 from minidl import nn, ops, Tensor  # noqa: E402
 from minidl.models import resnet20, MLP  # noqa: E402
 
-try:
+torch = None
+if args.worker == "pytorch":
     import torch
     torch.set_num_threads(args.threads)
-except ImportError:
-    torch = None
 
 CONFIGS = {
     "resnet20": dict(batch=64, input=(3, 32, 32), classes=10),
@@ -111,22 +118,40 @@ def time_steps(step, x, y, steps):
     return (time.perf_counter() - t0) / steps
 
 
-def bench(name):
+def worker(framework, name):
+    """Runs in a child process: prints the seconds per step of one round as JSON."""
     cfg = CONFIGS[name]
     rng = np.random.default_rng(0)
     x = rng.standard_normal((cfg["batch"],) + cfg["input"]).astype(np.float32)
     y = rng.integers(0, cfg["classes"], cfg["batch"]).astype(np.int64)
-    runners = {"minidl": minidl_step_fn(name)}
-    if torch is not None:
-        runners["pytorch"] = torch_step_fn(name)
-    prepared = {k: (step, conv(x, y)) for k, (step, conv) in runners.items()}
-    for k, (step, (bx, by)) in prepared.items():
-        time_steps(step, bx, by, args.warmup)
-    best = {k: float("inf") for k in prepared}
-    # Alternate the frameworks so that a noisy neighbour hurts both alike; keep the best round.
+    step, convert = (minidl_step_fn if framework == "minidl" else torch_step_fn)(name)
+    bx, by = convert(x, y)
+    time_steps(step, bx, by, args.warmup)
+    print(json.dumps({"seconds": time_steps(step, bx, by, args.steps)}), flush=True)
+
+
+def run_worker(framework, name):
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", framework, "--model", name,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+
+
+def torch_installed():
+    try:
+        import importlib.util
+        return importlib.util.find_spec("torch") is not None
+    except ImportError:
+        return False
+
+
+def bench(name):
+    cfg = CONFIGS[name]
+    frameworks = ["minidl"] + (["pytorch"] if torch_installed() else [])
+    best = {k: float("inf") for k in frameworks}
     for _ in range(args.repeats):
-        for k, (step, (bx, by)) in prepared.items():
-            best[k] = min(best[k], time_steps(step, bx, by, args.steps))
+        for k in frameworks:
+            best[k] = min(best[k], run_worker(k, name))
     line = f"{name:9s} batch {cfg['batch']:4d}"
     for k, t in best.items():
         line += f" | {k}: {t * 1e3:8.1f} ms/step {cfg['batch'] / t:8.1f} img/s"
@@ -153,10 +178,12 @@ def op_overhead():
           f"recorded for backward {rec:.2f} us (+{rec - raw:.2f})")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and args.worker:
+    worker(args.worker, args.model)
+elif __name__ == "__main__":
     import platform
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; threads={args.threads}; "
-          f"numpy {np.__version__}; torch {torch.__version__ if torch else 'not installed'}")
+          f"numpy {np.__version__}; torch {'installed' if torch_installed() else 'not installed'}")
     for name in (["resnet20", "mlp"] if args.model == "all" else [args.model]):
         bench(name)
     op_overhead()

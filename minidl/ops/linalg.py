@@ -7,13 +7,8 @@ def _t(a):
     return a.swapaxes(-1, -2)
 
 
-class MatMul(Primitive):
-    """2-D matrix product ``op(x) @ op(w)``, op being an optional transpose.
-
-    Args:
-        transpose_a: use x.T.
-        transpose_b: use w.T (Dense stores its weight as [out, in] and sets this).
-    """
+class _Product(Primitive):
+    """What MatMul and BatchMatMul share: two inputs and their optional transposes."""
 
     n_inputs = 2
 
@@ -21,6 +16,15 @@ class MatMul(Primitive):
         super().__init__()
         self.transpose_a = bool(transpose_a)
         self.transpose_b = bool(transpose_b)
+
+
+class MatMul(_Product):
+    """2-D matrix product ``op(x) @ op(w)``, op being an optional transpose.
+
+    Args:
+        transpose_a: use x.T.
+        transpose_b: use w.T (Dense stores its weight as [out, in] and sets this).
+    """
 
     def forward(self, x, w):
         _check_matmul(self.name, x, w, self.transpose_a, self.transpose_b, batched=False)
@@ -31,32 +35,25 @@ class MatMul(Primitive):
 
     def backward(self, gy):
         x, w, ta, tb = self.x, self.w, self.transpose_a, self.transpose_b
+        a = x.T if ta else x
+        b = w.T if tb else w
         gx = gw = None
+        # y = A B with A = op(x), B = op(w): dA = gy B^T, dB = A^T gy. When op transposes, the
+        # gradient is formed directly in x's (w's) layout, e.g. dw = gy^T A rather than (A^T gy)^T:
+        # BLAS reads transposed operands for free, and the result is contiguous (no copy later).
         if self.needs_grad[0]:
-            # y = A B with A = op(x): dA = gy B^T; dx = dA or dA^T.
-            b = w.T if tb else w
-            gA = gy @ b.T
-            gx = gA.T if ta else gA
+            gx = b @ gy.T if ta else gy @ b.T
         if self.needs_grad[1]:
-            a = x.T if ta else x
-            gB = a.T @ gy
-            gw = gB.T if tb else gB
+            gw = gy.T @ a if tb else a.T @ gy
         return gx, gw
 
 
-class BatchMatMul(Primitive):
+class BatchMatMul(_Product):
     """Batched matrix product over the last two dims; leading dims broadcast.
 
     Args:
         transpose_a, transpose_b: transpose the last two dims of x / w.
     """
-
-    n_inputs = 2
-
-    def __init__(self, transpose_a=False, transpose_b=False):
-        super().__init__()
-        self.transpose_a = bool(transpose_a)
-        self.transpose_b = bool(transpose_b)
 
     def forward(self, x, w):
         _check_matmul(self.name, x, w, self.transpose_a, self.transpose_b, batched=True)
@@ -69,16 +66,13 @@ class BatchMatMul(Primitive):
         xp = get_array_module(gy)
         x, w, ta, tb = self.x, self.w, self.transpose_a, self.transpose_b
         gx = gw = None
+        a = _t(x) if ta else x
+        b = _t(w) if tb else w
+        # As in MatMul: each gradient is formed directly in its input's layout.
         if self.needs_grad[0]:
-            b = _t(w) if tb else w
-            gA = xp.matmul(gy, _t(b))
-            gA = _t(gA) if ta else gA
-            gx = sum_to_shape(gA, x.shape)
+            gx = sum_to_shape(xp.matmul(b, _t(gy)) if ta else xp.matmul(gy, _t(b)), x.shape)
         if self.needs_grad[1]:
-            a = _t(x) if ta else x
-            gB = xp.matmul(_t(a), gy)
-            gB = _t(gB) if tb else gB
-            gw = sum_to_shape(gB, w.shape)
+            gw = sum_to_shape(xp.matmul(_t(gy), a) if tb else xp.matmul(_t(a), gy), w.shape)
         return gx, gw
 
 

@@ -12,8 +12,9 @@ stem (3 input channels) runs without an input gradient, as in training.
 Each framework runs in its own worker process, and the workers alternate for ``--repeats``
 rounds. Both in one process measured minidl up to 5x slower: after each parallel region the
 OpenMP threads of PyTorch and the OpenBLAS threads of NumPy spin-wait, and on a 2-core
-machine they take the cores from each other. Times are medians over all calls, which a
-few calls disturbed by other processes do not move.
+machine they take the cores from each other. Each round reports medians over its calls,
+which a few calls disturbed by other processes do not move, and the best round is kept,
+so that a neighbour busy for a whole round does not count either.
 """
 import argparse
 import json
@@ -138,18 +139,19 @@ def main():
     except ValueError:
         have_torch = False
     frameworks = ["minidl"] + (["torch"] if have_torch else [])
-    samples = {fw: {name: ([], []) for name, *_ in SHAPES} for fw in frameworks}
+    inf = float("inf")
+    times = {fw: {name: [inf, inf] for name, *_ in SHAPES} for fw in frameworks}
     versions = {}
     for _ in range(args.repeats):  # alternate the workers so drifts of the machine hit both alike
         for fw in frameworks:
             res = run_worker(args, fw)
             versions[fw] = res.pop("version")
-            for name, (fwd, fb) in res.items():
-                samples[fw][name][0].extend(fwd)
-                samples[fw][name][1].extend(fb)
-    times = {fw: {name: [median(s) for s in pair] for name, pair in per.items()} for fw, per in samples.items()}
+            for name, pair in res.items():
+                best = times[fw][name]
+                for i, samples in enumerate(pair):
+                    best[i] = min(best[i], median(samples))
     print(f"batch {args.batch}, {args.dtype}, {args.threads} thread(s), numpy {versions['minidl']}, "
-          f"torch {versions.get('torch', 'not installed')}; median ms over {args.repeats * args.iters} calls")
+          f"torch {versions.get('torch', 'not installed')}; ms: the best of {args.repeats} rounds' medians")
     head = f"{'shape':<22}{'n':>3}{'fwd':>9}{'fwd+bwd':>9}"
     if have_torch:
         head += f"{'torch fwd':>11}{'torch f+b':>11}{'ratio fwd':>11}{'ratio f+b':>11}"

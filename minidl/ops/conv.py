@@ -1,26 +1,38 @@
-"""Conv2D: 2-D cross-correlation over NCHW inputs, by im2col and one large GEMM.
+"""Conv2D: 2-D cross-correlation over NCHW inputs, by im2col and GEMM.
 
-Layout. The column matrix is built channel-major, ``col[(c, i, j), (n, oh, q)]``, so the
-forward is a single ``w2 @ col`` GEMM with an (O, K) x (K, N*OH*Q) shape: one large
-matrix for BLAS instead of N small ones (batched per-image GEMMs measured up to 2.5x
-slower on the 8x8 ResNet-20 stage). The (O, N, ...) result then needs one transposing copy
-to NCHW, which costs output size only, and doubles as the crop described next.
+Layout. Columns are built channel-major, ``col[(c, i, j), (n, oh, q)]``, so a chunk of
+images takes one ``(O, K) @ (K, n*OH*Q)`` GEMM, a large matrix for BLAS (batched per-image
+GEMMs measured up to 2.5x slower on the 8x8 ResNet-20 stage). The (O, n, ...) result then
+needs one transposing copy to NCHW, the size of the output only, which doubles as the crop
+of garbage columns described next.
 
-Stride 1 (every 3x3 ResNet conv) uses "flat rows": the padded image is viewed as one long
-row per (n, c), and the window at kernel offset (i, j) is the contiguous run that starts at
+Flat rows (stride 1, every 3x3 ResNet conv). A padded image is viewed as one long row per
+channel, and the window at kernel offset (i, j) is the contiguous run that starts at
 ``i*dh*Wp + j*dw``, so ``q`` runs over the whole padded width Wp instead of OW. The last
-``(kw-1)*dw`` columns of each output row are then garbage (they read across a row end) and
-are dropped, but im2col and col2im copy contiguous runs of OH*Wp elements instead of
-OW-element pieces, which is what makes them memory-bandwidth bound rather than loop bound.
-Other strides use the plain 6-D ``as_strided`` window view.
+``(kw-1)*dw`` columns of each output row are garbage (runs that cross a row end) and are
+dropped, but im2col copies runs of OH*Wp elements instead of OW-element pieces. Other
+strides use the plain 6-D ``as_strided`` window view.
 
-A 1x1, stride-1, unpadded convolution is a pure GEMM on the input as it lies: no im2col.
+Chunks. On the CPU the batch goes through in chunks of images whose columns fit in the
+last-level cache (``_CACHE_BYTES``); padding, im2col and GEMM of a chunk then stay in cache,
+which halved the time of the 16- and 32-channel convs against one whole-batch im2col. No
+column matrix is saved: backward keeps x and rebuilds what it needs. On a GPU one chunk
+holds the whole batch.
+
+Backward (stride 1). gx is gy correlated with the flipped kernel: the forward path again.
+gw comes from the same columns of gy (offset (kh-1-i, kw-1-j) of gy meets offset (i, j)
+of x), so x needs no second im2col. Strided convs use gy @ columns for gw and column
+gradients + col2im (a loop over the kh*kw offsets only) for gx. 1x1, stride-1, unpadded
+convs are pure GEMMs on the input as it lies.
 """
+import numpy
+
 from ..backend import get_array_module
 from ..tensor import is_grad_enabled
 from .primitive import Primitive
 
 _PAD_MODES = ("valid", "same", "pad")
+_CACHE_BYTES = 4 << 20  # column bytes per chunk of images on the CPU (see _Windows.workspace)
 
 
 def _as_strided(xp, a, shape, strides):
@@ -39,8 +51,9 @@ def _pair(op, arg, value, allow_nchw4=False):
     elif isinstance(v, (tuple, list)) and len(v) == 4 and allow_nchw4 and tuple(v[:2]) == (1, 1):
         v = tuple(v[2:])
     if not isinstance(v, (tuple, list)) or len(v) != 2 or not all(_is_int(e) and e >= 1 for e in v):
-        extra = " or a (1, 1, h, w) tuple" if allow_nchw4 else ""
-        raise ValueError(f"{op}: {arg} must be a positive int, a pair of positive ints{extra}, got {value!r}")
+        what = ("a positive int, a pair of positive ints or a (1, 1, h, w) tuple" if allow_nchw4
+                else "a positive int or a pair of positive ints")
+        raise ValueError(f"{op}: {arg} must be {what}, got {value!r}")
     return tuple(v)
 
 
@@ -67,17 +80,118 @@ def _window_axis(op, size, k, s, d, mode, pad_lo, pad_hi, what):
     return out, pad_lo, pad_hi
 
 
-def _pad(xp, x, pt, pb, pl, pr, fill=0, extra_rows=0):
-    """x (N, C, H, W) inside a ``fill``-valued (N, C, H+pt+pb+extra_rows, W+pl+pr) array."""
-    n, c, h, w = x.shape
-    out = xp.empty((n, c, h + pt + pb + extra_rows, w + pl + pr), dtype=x.dtype)
-    # Only the border is filled: writing the whole buffer first would double the traffic.
-    out[:, :, :pt] = fill
-    out[:, :, pt + h:] = fill
-    out[:, :, pt:pt + h, :pl] = fill
-    out[:, :, pt:pt + h, pl + w:] = fill
-    out[:, :, pt:pt + h, pl:pl + w] = x
-    return out
+def _images_per_chunk(xp, n, column_bytes_per_image):
+    """How many images share one im2col + GEMM step (see _Windows.workspace)."""
+    if xp is not numpy:
+        return n
+    return max(1, min(n, _CACHE_BYTES // column_bytes_per_image))
+
+
+class _Windows:
+    """Where the windows of one convolution lie, and the im2col / col2im moves over them.
+
+    ``flat`` (stride 1): flat rows, Q = Wp (see the module docstring); else Q = OW.
+    """
+
+    def __init__(self, x_shape, kernel, stride, dilation, pads, out_hw):
+        self.n, self.c, self.h, self.w = x_shape
+        self.kernel, self.stride, self.dilation, self.pads = kernel, stride, dilation, pads
+        self.oh, self.ow = out_hw
+        self.flat = stride == (1, 1)
+        self.q = self.w + pads[2] + pads[3] if self.flat else self.ow
+        self.k = self.c * kernel[0] * kernel[1]
+
+    def workspace(self, xp, dtype):
+        """Chunks of images and the buffers one chunk needs: (chunks, padded images, columns).
+
+        The padding buffer's border is zeroed once; each chunk only rewrites its interior.
+        """
+        per_image = self.k * self.oh * self.q
+        nb = _images_per_chunk(xp, self.n, per_image * dtype.itemsize)
+        chunks = [(n0, min(n0 + nb, self.n)) for n0 in range(0, self.n, nb)]
+        xpad = None
+        if self.flat or any(self.pads):
+            # Flat rows need one spare row: the garbage runs of the last row end inside it.
+            rows = self.h + sum(self.pads[:2]) + (1 if self.flat else 0)
+            xpad = xp.zeros((nb, self.c, rows, self.w + sum(self.pads[2:])), dtype=dtype)
+        return chunks, xpad, xp.empty(per_image * nb, dtype=dtype)
+
+    def columns(self, xp, x, n0, n1, xpad, buf):
+        """Columns of images n0:n1, channel-major: (C*kh*kw, (n1-n0)*OH*Q), copied into buf."""
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
+        part = x[n0:n1]
+        if xpad is not None:
+            # A negative pad crops (the input-gradient correlation needs it when the forward
+            # padding exceeds the kernel's reach).
+            pt, pb, pl, pr = self.pads
+            src = part[:, :, max(-pt, 0):self.h - max(-pb, 0), max(-pl, 0):self.w - max(-pr, 0)]
+            t, l = max(pt, 0), max(pl, 0)
+            part = xpad[:n1 - n0]
+            part[:, :, t:t + src.shape[2], l:l + src.shape[3]] = src
+        s_n, s_c, s_h, s_w = part.strides
+        if self.flat:
+            shape, strides = (self.c, kh, kw, n1 - n0, self.oh * self.q), (s_c, dh * s_h, dw * s_w, s_n, s_w)
+        else:
+            shape = (self.c, kh, kw, n1 - n0, self.oh, self.ow)
+            strides = (s_c, dh * s_h, dw * s_w, s_n, sh * s_h, sw * s_w)
+        col = buf[:self.k * (n1 - n0) * self.oh * self.q].reshape(shape)
+        xp.copyto(col, _as_strided(xp, part, shape, strides))
+        return col.reshape(self.k, -1)
+
+    def col2im(self, xp, gcol):
+        """Sums a chunk of column gradients (C, kh, kw, n, OH, OW) back onto its images.
+
+        Strided windows only (stride 1 takes its input gradient by correlation). Loops over
+        the kh*kw kernel offsets only; returns an (n, C, H, W) view with the padding cropped,
+        for the caller to copy into gx.
+        """
+        assert not self.flat
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
+        pt, pb, pl, pr = self.pads
+        oh, ow = self.oh, self.ow
+        gpad = xp.zeros((self.c, gcol.shape[3], self.h + pt + pb, self.w + pl + pr), dtype=gcol.dtype)
+        for i in range(kh):
+            for j in range(kw):
+                hs = slice(i * dh, i * dh + sh * (oh - 1) + 1, sh)
+                ws = slice(j * dw, j * dw + sw * (ow - 1) + 1, sw)
+                gpad[:, :, hs, ws] += gcol[:, i, j]
+        return gpad[:, :, pt:pt + self.h, pl:pl + self.w].transpose(1, 0, 2, 3)
+
+
+def _correlate(xp, x, w, win, group, times=None):
+    """y = x (*) w over the windows ``win``: per chunk of images, im2col then one GEMM.
+
+    With ``times`` (an array of y's shape), also returns ``sum_m col[:, m] * times[:, m]``
+    per group, (G, K/G, C_times/G): the weight gradient that the input-gradient
+    correlation gets almost for free from its own columns (see Conv2D.backward).
+    """
+    n, o, oh, ow, q = win.n, w.shape[0], win.oh, win.ow, win.q
+    w3 = w.reshape(group, o // group, -1)
+    y = xp.empty((n, o, oh, ow), dtype=x.dtype)
+    chunks, xpad, cols = win.workspace(xp, x.dtype)
+    per_chunk = cols.size // win.k
+    outs = xp.empty(o * per_chunk, dtype=x.dtype)
+    acc = None
+    if times is not None:
+        ct = times.shape[1]
+        # Q is the innermost axis, so the garbage columns of flat rows sit at the same buffer
+        # positions in every chunk: zeroed once, they stay zero and add nothing to acc.
+        tbuf = (xp.zeros if q != ow else xp.empty)(ct * per_chunk, dtype=x.dtype)
+        acc = xp.zeros((group, win.k // group, ct // group), dtype=x.dtype)
+    for n0, n1 in chunks:
+        col = win.columns(xp, x, n0, n1, xpad, cols)
+        m = col.shape[1]
+        col = col.reshape(group, -1, m)
+        out = outs[:o * m].reshape(group, o // group, m)
+        xp.matmul(w3, col, out=out)
+        # One transposing copy to NCHW, which also drops the garbage columns of flat rows.
+        y[n0:n1] = out.reshape(o, n1 - n0, oh, q)[..., :ow].transpose(1, 0, 2, 3)
+        if times is not None:
+            t = tbuf[:ct * m].reshape(ct, n1 - n0, oh, q)
+            t[..., :ow] = times[n0:n1].transpose(1, 0, 2, 3)
+            # (K, m) @ (m, C): BLAS measured this orientation ~1.7x faster than (C, m) @ (m, K).
+            acc += xp.matmul(col, t.reshape(group, ct // group, m).swapaxes(-1, -2))
+    return y if times is None else (y, acc)
 
 
 class Conv2D(Primitive):
@@ -158,98 +272,88 @@ class Conv2D(Primitive):
         self._check(x, w)
         xp = get_array_module(x, w)
         n, c, h, wd = x.shape
-        o, kh, kw = self.out_channel, *self.kernel_size
-        (sh, sw), (dh, dw), g = self.stride, self.dilation, self.group
+        o, g, (kh, kw), (sh, sw), (dh, dw) = self.out_channel, self.group, self.kernel_size, self.stride, self.dilation
         pt, pb, pl, pr = self.pad
-        oh, pt, pb = _window_axis(self.name, h, kh, sh, dh, self.pad_mode, pt, pb, f"x of shape {tuple(x.shape)}")
-        ow, pl, pr = _window_axis(self.name, wd, kw, sw, dw, self.pad_mode, pl, pr, f"x of shape {tuple(x.shape)}")
-        self.geometry = (n, c, h, wd, oh, ow, pt, pb, pl, pr)
+        where = f"x of shape {tuple(x.shape)}"
+        oh, pt, pb = _window_axis(self.name, h, kh, sh, dh, self.pad_mode, pt, pb, where)
+        ow, pl, pr = _window_axis(self.name, wd, kw, sw, dw, self.pad_mode, pl, pr, where)
         keep = is_grad_enabled()
         self.w = w if keep else None
-        w3 = w.reshape(g, o // g, -1)
         if kh == kw == sh == sw == 1 and not any((pt, pb, pl, pr)):
             # 1x1 stride 1: already a (C, H*W) matrix per image; batched GEMM, no copies.
-            self.layout = "direct"
-            self.col = x if keep else None
-            y = xp.matmul(w3, x.reshape(n, g, c // g, h * wd))
-            return y.reshape(n, o, h, wd)
-        col, self.q, self.layout = self._im2col(xp, x, oh, ow)
-        self.col = col if keep else None
-        y = xp.matmul(w3, col.reshape(g, col.shape[0] // g, -1))  # (G, O/G, N*OH*Q)
-        y = y.reshape(o, n, oh, self.q)[..., :ow]
-        return xp.ascontiguousarray(y.transpose(1, 0, 2, 3))
-
-    def _im2col(self, xp, x, oh, ow):
-        """Returns col (C*kh*kw, N*OH*Q), C-major, Q (the row length of its output grid), the layout."""
-        n, c, h, wd, _, _, pt, pb, pl, pr = self.geometry
-        kh, kw = self.kernel_size
-        (sh, sw), (dh, dw) = self.stride, self.dilation
-        if sh == sw == 1:
-            # One spare row keeps the last garbage run of the flat view inside the buffer.
-            xpad = _pad(xp, x, pt, pb, pl, pr, extra_rows=1)
-            wp = xpad.shape[3]
-            s_n, s_c, s_h, e = xpad.strides
-            view = _as_strided(xp, xpad, (c, kh, kw, n, oh * wp), (s_c, dh * s_h, dw * e, s_n, e))
-            return xp.ascontiguousarray(view).reshape(c * kh * kw, -1), wp, "flat"
-        xpad = _pad(xp, x, pt, pb, pl, pr) if any((pt, pb, pl, pr)) else x
-        s_n, s_c, s_h, s_w = xpad.strides
-        view = _as_strided(xp, xpad, (c, kh, kw, n, oh, ow), (s_c, dh * s_h, dw * s_w, s_n, sh * s_h, sw * s_w))
-        return xp.ascontiguousarray(view).reshape(c * kh * kw, -1), ow, "strided"
+            self.win, self.x = None, (x if keep else None)
+            return xp.matmul(w.reshape(g, o // g, c // g), x.reshape(n, g, c // g, h * wd)).reshape(n, o, h, wd)
+        self.win = _Windows(x.shape, self.kernel_size, self.stride, self.dilation, (pt, pb, pl, pr), (oh, ow))
+        self.x = x if keep else None  # backward rebuilds the columns from x, chunk by chunk
+        return _correlate(xp, x, w, self.win, g)
 
     def backward(self, gy):
         xp = get_array_module(gy)
-        n, c, h, wd, oh, ow, pt, pb, pl, pr = self.geometry
-        o, g = self.out_channel, self.group
         need_x, need_w = self.needs_grad
-        gx = gw = None
-        if self.layout == "direct":
+        w, win, g = self.w, self.win, self.group
+        o, cg = w.shape[:2]
+        if win is None:  # 1x1 stride 1
+            n, c, h, wd = self.x.shape
             gy3 = gy.reshape(n, g, o // g, h * wd)
+            gw = gx = None
             if need_w:
-                x3 = self.col.reshape(n, g, c // g, h * wd)
-                gw = xp.matmul(gy3, x3.swapaxes(-1, -2)).sum(axis=0).reshape(o, c // g, 1, 1)
+                x3 = self.x.reshape(n, g, cg, h * wd)
+                gw = xp.matmul(gy3, x3.swapaxes(-1, -2)).sum(axis=0).reshape(w.shape)
             if need_x:
-                w3 = self.w.reshape(g, o // g, c // g)
-                gx = xp.matmul(w3.swapaxes(-1, -2), gy3).reshape(n, c, h, wd)
+                gx = xp.matmul(w.reshape(g, o // g, cg).swapaxes(-1, -2), gy3).reshape(n, c, h, wd)
             return gx, gw
-        q = self.q
-        if q == ow:
-            gyt = xp.ascontiguousarray(gy.transpose(1, 0, 2, 3))
-        else:
-            # Zeros in the garbage columns: they keep gw exact and make col2im add nothing there.
-            gyt = xp.zeros((o, n, oh, q), dtype=gy.dtype)
-            gyt[..., :ow] = gy.transpose(1, 0, 2, 3)
-        gyt = gyt.reshape(g, o // g, -1)
-        if need_w:
-            col = self.col.reshape(g, self.col.shape[0] // g, -1)
-            gw = xp.matmul(gyt, col.swapaxes(-1, -2)).reshape((o, c // g) + self.kernel_size)
+        if need_x and win.flat:
+            return self._grads_by_correlation(xp, gy, need_w)
+        n, c, oh, ow, q = win.n, win.c, win.oh, win.ow, win.q
+        k = win.k
+        chunks, xpad, cols = win.workspace(xp, gy.dtype)
+        # Zeros in the garbage columns of flat rows keep gw exact. Q is the innermost axis, so
+        # those columns sit at the same buffer positions in every chunk: zeroing once suffices.
+        gys = (xp.zeros if q != ow else xp.empty)(o * (cols.size // k), dtype=gy.dtype)
+        w3 = w.reshape(g, o // g, -1)
+        gw_t = xp.zeros((g, k // g, o // g), dtype=gy.dtype) if need_w else None
+        gx = None
         if need_x:
-            w3 = self.w.reshape(g, o // g, -1)
-            gcol = xp.matmul(w3.swapaxes(-1, -2), gyt)  # (G, K/G, N*OH*Q)
-            gx = self._col2im(xp, gcol.reshape(c, *self.kernel_size, n, oh, q))
+            gx = xp.empty((n, c, win.h, win.w), dtype=gy.dtype)
+        for n0, n1 in chunks:
+            m = (n1 - n0) * oh * q
+            gyt = gys[:o * m].reshape(o, n1 - n0, oh, q)
+            gyt[..., :ow] = gy[n0:n1].transpose(1, 0, 2, 3)
+            gyt = gyt.reshape(g, o // g, m)
+            if need_w:
+                col = win.columns(xp, self.x, n0, n1, xpad, cols).reshape(g, -1, m)
+                # (K, m) @ (m, O): BLAS measured this orientation ~1.7x faster than (O, m) @ (m, K).
+                gw_t += xp.matmul(col, gyt.swapaxes(-1, -2))
+            if need_x:
+                gcol = xp.matmul(w3.swapaxes(-1, -2), gyt)  # (G, K/G, m), one chunk: cache-sized
+                gx[n0:n1] = win.col2im(xp, gcol.reshape((c,) + self.kernel_size + (n1 - n0, oh, q)))
+        gw = gw_t.swapaxes(-1, -2).reshape(w.shape) if need_w else None
         return gx, gw
 
-    def _col2im(self, xp, gcol):
-        """Adds the columns back onto the image, looping over the kh*kw kernel offsets only."""
-        n, c, h, wd, oh, ow, pt, pb, pl, pr = self.geometry
-        kh, kw = self.kernel_size
-        (sh, sw), (dh, dw) = self.stride, self.dilation
-        # Channel-major, like gcol: the final transposing copy to NCHW also drops the padding.
-        if self.layout == "flat":
-            wp = self.q
-            hp = h + pt + pb + 1
-            gpad = xp.zeros((c, n, hp * wp), dtype=gcol.dtype)
-            run = oh * wp
-            for i in range(kh):
-                for j in range(kw):
-                    off = i * dh * wp + j * dw
-                    gpad[:, :, off:off + run] += gcol[:, i, j].reshape(c, n, run)
-            gpad = gpad.reshape(c, n, hp, wp)
-        else:
-            gpad = xp.zeros((c, n, h + pt + pb, wd + pl + pr), dtype=gcol.dtype)
-            for i in range(kh):
-                for j in range(kw):
-                    gpad[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw] += gcol[:, i, j]
-        return xp.ascontiguousarray(gpad[:, :, pt:pt + h, pl:pl + wd].transpose(1, 0, 2, 3))
+    def _grads_by_correlation(self, xp, gy, need_w):
+        """Stride 1: gx, and gw if needed, from one pass over the columns of gy.
+
+        gx is gy correlated with w flipped in space and transposed per group, gy padded so
+        each input pixel sees every window that covered it: the forward path again. It
+        measured about 2x faster than a K x O by O x (N*OH*Q) GEMM into column gradients
+        followed by col2im. And since gy's columns at kernel offset (kh-1-i, kw-1-j) line up
+        with x at offset (i, j), ``gw[o, c, i, j] = sum_m colgy[(o, kh-1-i, kw-1-j), m] *
+        x[c, m]``: one more GEMM on columns already in cache, instead of an im2col of x.
+        """
+        win, g, w = self.win, self.group, self.w
+        o, cg, kh, kw = w.shape
+        dh, dw = self.dilation
+        pt, pb, pl, pr = win.pads
+        eh, ew = (kh - 1) * dh, (kw - 1) * dw
+        w_t = w.reshape(g, o // g, cg, kh, kw)[..., ::-1, ::-1].swapaxes(1, 2).reshape(g * cg, o // g, kh, kw)
+        pads = (eh - pt, eh - pb, ew - pl, ew - pr)
+        back = _Windows(gy.shape, (kh, kw), (1, 1), (dh, dw), pads, (win.h, win.w))
+        out = _correlate(xp, gy, xp.ascontiguousarray(w_t), back, g, times=self.x if need_w else None)
+        if not need_w:
+            return out, None
+        gx, acc = out  # acc: (G, O/G * kh * kw, C/G), rows (o, kh-1-i, kw-1-j)
+        gw = acc.reshape(g, o // g, kh, kw, cg)[:, :, ::-1, ::-1].transpose(0, 1, 4, 2, 3)
+        return gx, xp.ascontiguousarray(gw).reshape(w.shape)
 
 
 def conv2d(x, w, stride=1, pad_mode="valid", padding=0, dilation=1, groups=1):

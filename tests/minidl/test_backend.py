@@ -1,0 +1,57 @@
+"""Device selection and seeding."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import minidl
+from minidl import backend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _device_in_fresh_process(env_value):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("MINIDL_DEVICE", None)
+    if env_value is not None:
+        env["MINIDL_DEVICE"] = env_value
+    code = "import minidl; print(minidl.get_context('device_target'))"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_env_var_selects_the_device():
+    out = _device_in_fresh_process("cpu")
+    assert out.returncode == 0 and out.stdout.strip() == "CPU"
+
+
+def test_default_is_gpu_only_when_cupy_sees_one():
+    out = _device_in_fresh_process(None)
+    assert out.stdout.strip() == ("GPU" if backend.gpu_available() else "CPU")
+
+
+@pytest.mark.skipif(backend.gpu_available(), reason="this machine has a GPU")
+def test_asking_for_a_missing_gpu_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"needs CuPy and a CUDA device: pip install 'minidl\[gpu\]'"):
+        minidl.set_context(device_target="GPU")
+    out = _device_in_fresh_process("GPU")
+    assert out.returncode != 0 and "needs CuPy and a CUDA device" in out.stderr
+
+
+def test_cpu_tensors_are_numpy():
+    minidl.set_context(device_target="CPU")
+    assert isinstance(minidl.Tensor([1.0]).data, np.ndarray)
+    assert backend.get_array_module(np.ones(1)) is np
+
+
+def test_set_seed_makes_initialisation_repeat():
+    from minidl import nn
+    minidl.set_seed(7)
+    a = nn.Dense(5, 3).weight.asnumpy()
+    minidl.set_seed(7)
+    b = nn.Dense(5, 3).weight.asnumpy()
+    minidl.set_seed(8)
+    c = nn.Dense(5, 3).weight.asnumpy()
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)

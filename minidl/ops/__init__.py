@@ -8,6 +8,7 @@ from .math import *  # noqa: F401,F403
 from .linalg import *  # noqa: F401,F403
 from .reduce import *  # noqa: F401,F403
 from .array import *  # noqa: F401,F403
+from .indexing import *  # noqa: F401,F403
 from .activation import *  # noqa: F401,F403
 from .loss import *  # noqa: F401,F403
 from .conv import *  # noqa: F401,F403

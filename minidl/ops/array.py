@@ -1,15 +1,12 @@
-"""Shape and indexing ops: Reshape, Transpose, ExpandDims, Squeeze, Flatten, Concat,
-StridedSlice, GetItem, Cast, OneHot, ZerosLike, OnesLike.
+"""Shape ops: Reshape, Transpose, ExpandDims, Squeeze, Flatten, Concat, Cast, OneHot,
+ZerosLike, OnesLike (indexing lives in indexing.py).
 
-Most forwards return views of their input; backwards reshape, transpose or scatter ``gy``
-back into x's shape. Indexing backwards write into zeros: by assignment when the index is
-basic (slices, ints, None, Ellipsis: no element is read twice), by ``_scatter_add`` when
-integer arrays may repeat an element.
+Most forwards return views of their input; backwards reshape or transpose ``gy`` back
+into x's shape.
 """
 import numpy
 
 from ..backend import get_array_module
-from ..tensor import Tensor
 from .primitive import Primitive, normalize_axis
 
 
@@ -237,133 +234,6 @@ class Concat(Primitive):
         return tuple(grads)
 
 
-class StridedSlice(Primitive):
-    """x[begin:end:strides] per dimension, with TensorFlow / MindSpore bit masks.
-
-    Bit i of a mask refers to entry i of begin/end/strides:
-    begin_mask / end_mask: ignore begin[i] / end[i] (take the whole range in that direction);
-    shrink_axis_mask: index with begin[i] and drop the dimension; new_axis_mask: insert a
-    size-1 dimension (entry i ignored); ellipsis_mask: entry i stands for all dims not named.
-    Dimensions past len(begin) are taken whole. Steps may be negative.
-
-    Example:
-        >>> ops.StridedSlice()(x, (0, 3), (2, 0), (1, -1))    # x[0:2, 3:0:-1]
-    """
-
-    n_inputs = 4
-    n_tensor_inputs = 1
-
-    def __init__(self, begin_mask=0, end_mask=0, ellipsis_mask=0, new_axis_mask=0, shrink_axis_mask=0):
-        super().__init__()
-        for name, v in (("begin_mask", begin_mask), ("end_mask", end_mask), ("ellipsis_mask", ellipsis_mask),
-                        ("new_axis_mask", new_axis_mask), ("shrink_axis_mask", shrink_axis_mask)):
-            if _check_int(self.name, name, v) < 0:
-                raise ValueError(f"{self.name}: {name} must be >= 0, got {v}")
-        if ellipsis_mask & (ellipsis_mask - 1):
-            raise ValueError(f"{self.name}: at most one bit may be set in ellipsis_mask, got {ellipsis_mask}")
-        self.begin_mask, self.end_mask, self.ellipsis_mask = begin_mask, end_mask, ellipsis_mask
-        self.new_axis_mask, self.shrink_axis_mask = new_axis_mask, shrink_axis_mask
-
-    def forward(self, x, begin, end, strides):
-        _check_array(self.name, "x", x)
-        self.index = self._index(tuple(x.shape), begin, end, strides)
-        self.x_shape = tuple(x.shape)
-        return x[self.index]
-
-    def backward(self, gy):
-        gx = get_array_module(gy).zeros(self.x_shape, gy.dtype)
-        gx[self.index] = gy  # a basic index reaches each element at most once
-        return gx, None, None, None
-
-    def _index(self, shape, begin, end, strides):
-        op = self.name
-        begin, end, strides = (_int_tuple(op, n, v) for n, v in (("begin", begin), ("end", end), ("strides", strides)))
-        if not len(begin) == len(end) == len(strides):
-            raise ValueError(f"{op}: begin, end and strides must have the same length, got "
-                             f"{len(begin)}, {len(end)} and {len(strides)}")
-        index = []
-        for i, (b, e, s) in enumerate(zip(begin, end, strides)):
-            bit = 1 << i
-            if self.ellipsis_mask & bit:
-                index.append(Ellipsis)
-            elif self.new_axis_mask & bit:
-                index.append(None)
-            elif s == 0:
-                raise ValueError(f"{op}: strides must be non-zero, got {strides}")
-            elif self.shrink_axis_mask & bit:
-                index.append(b)
-            else:
-                index.append(slice(None if self.begin_mask & bit else b, None if self.end_mask & bit else e, s))
-        named = sum(1 for item in index if item is not None and item is not Ellipsis)
-        if named > len(shape):
-            raise ValueError(f"{op}: begin/end/strides slice {named} dimensions, but x has shape {shape}")
-        dim = 0
-        for item in index:
-            if item is Ellipsis:
-                dim += len(shape) - named
-            elif item is not None:
-                if isinstance(item, int) and not -shape[dim] <= item < shape[dim]:
-                    raise IndexError(f"{op}: shrink_axis_mask index {item} is out of range for dimension "
-                                     f"{dim} of size {shape[dim]} (x of shape {shape})")
-                dim += 1
-        return tuple(index)
-
-
-class GetItem(Primitive):
-    """``x[index]`` with Python / NumPy indexing: ints, slices (any step), None, Ellipsis,
-    integer arrays (repeats allowed: their gradients add up) and boolean masks.
-
-    Index arrays may be Tensors, NumPy/CuPy arrays or lists.
-    """
-
-    n_inputs = 2
-    n_tensor_inputs = 1
-
-    def forward(self, x, index):
-        _check_array(self.name, "x", x)
-        xp = get_array_module(x)
-        self.index, self.basic = _normalize_index(self.name, xp, index)
-        self.x_shape = tuple(x.shape)
-        try:
-            return xp.asarray(x[self.index])
-        except IndexError as e:
-            raise IndexError(f"{self.name}: {e} (tensor of shape {self.x_shape}, index {index!r})") from None
-
-    def backward(self, gy):
-        xp = get_array_module(gy)
-        gx = xp.zeros(self.x_shape, gy.dtype)
-        if self.basic:
-            gx[self.index] = gy
-        else:
-            _scatter_add(gx, self.index, gy)
-        return gx, None
-
-
-def _normalize_index(op, xp, index):
-    """(index as a tuple x[...] accepts, whether it is basic: no index arrays)."""
-    items = index if isinstance(index, tuple) else (index,)
-    out, basic = [], True
-    for item in items:
-        if isinstance(item, Tensor):
-            item = item.data
-        if item is None or item is Ellipsis or isinstance(item, slice):
-            out.append(item)
-        elif isinstance(item, (int, numpy.integer)) and not isinstance(item, (bool, numpy.bool_)):
-            out.append(int(item))
-        elif isinstance(item, (list, bool, numpy.bool_)) or hasattr(item, "dtype"):
-            array = xp.asarray(item)
-            if array.dtype.kind == "f" and array.size == 0:
-                array = array.astype(numpy.intp)  # [] parses as float64; it selects nothing
-            if array.dtype.kind not in "iub":
-                raise IndexError(f"{op}: index arrays must hold integers or bools, got dtype {array.dtype}")
-            out.append(array)
-            basic = False
-        else:
-            raise TypeError(f"{op}: unsupported index {item!r} of type {type(item).__name__}; expected "
-                            f"int, slice, None, Ellipsis, or an integer / bool array")
-    return tuple(out), basic
-
-
 class Cast(Primitive):
     """Converts x to ``dtype``. The gradient is cast back to x's dtype; none flows through
     a cast from or to an integer or bool dtype.
@@ -534,15 +404,6 @@ def stack(tensors, axis=0):
     return Concat(axis)(tuple(expand_dims(t, axis) for t in tensors))
 
 
-def strided_slice(x, begin, end, strides, begin_mask=0, end_mask=0, ellipsis_mask=0, new_axis_mask=0,
-                  shrink_axis_mask=0):
-    return StridedSlice(begin_mask, end_mask, ellipsis_mask, new_axis_mask, shrink_axis_mask)(x, begin, end, strides)
-
-
-def getitem(x, index):
-    return GetItem()(x, index)
-
-
 def cast(x, dtype):
     return Cast()(x, dtype)
 
@@ -559,7 +420,7 @@ def ones_like(x):
     return OnesLike()(x)
 
 
-__all__ = ['Reshape', 'Transpose', 'ExpandDims', 'Squeeze', 'Flatten', 'Concat', 'StridedSlice', 'GetItem',
+__all__ = ['Reshape', 'Transpose', 'ExpandDims', 'Squeeze', 'Flatten', 'Concat',
            'Cast', 'OneHot', 'ZerosLike', 'OnesLike',
            'reshape', 'transpose', 'permute', 'expand_dims', 'squeeze', 'flatten', 'concat', 'cat', 'stack',
-           'strided_slice', 'getitem', 'cast', 'one_hot', 'zeros_like', 'ones_like']
+           'cast', 'one_hot', 'zeros_like', 'ones_like']

@@ -126,7 +126,6 @@ def sum_to_shape(g, shape):
     """Sums a broadcast gradient back to ``shape`` (the adjoint of numpy broadcasting)."""
     if g.shape == tuple(shape):
         return g
-    xp = get_array_module(g)
     ndim_extra = g.ndim - len(shape)
     axes = tuple(range(ndim_extra)) + tuple(
         i + ndim_extra for i, n in enumerate(shape) if n == 1 and g.shape[i + ndim_extra] != 1)

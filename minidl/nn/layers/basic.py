@@ -168,7 +168,7 @@ class Dropout(Cell):
 
 
 class Identity(Cell):
-    """Returns its input unchanged (a placeholder where a layer is optional)."""
+    """Returns its input unchanged (it stands where a layer is optional)."""
 
     def construct(self, x):
         return x

@@ -16,7 +16,6 @@ it. That package plugs in through ``set_call_hook``, the single hook of the core
 """
 import numpy
 
-from ..backend import get_array_module
 from ..tensor import Tensor, is_grad_enabled
 
 _call_hook = None

@@ -1,0 +1,172 @@
+"""MNIST IDX reader: files written here in the IDX format (gzipped or not), read back value for value."""
+import gzip
+import struct
+
+import numpy as np
+import pytest
+
+from minidl.dataset.mnist import IMAGES_MAGIC, LABELS_MAGIC, load_mnist, read_idx
+
+NAMES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+         "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+
+
+def _idx_bytes(array, magic):
+    return struct.pack(">I", magic) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()
+
+
+def _write(path, payload, gz):
+    if gz:
+        with gzip.open(str(path) + ".gz", "wb") as f:
+            f.write(payload)
+    else:
+        path.write_bytes(payload)
+
+
+def _write_split(folder, split, images, labels, gz=(False, False)):
+    _write(folder / NAMES[split][0], _idx_bytes(images, IMAGES_MAGIC), gz[0])
+    _write(folder / NAMES[split][1], _idx_bytes(labels, LABELS_MAGIC), gz[1])
+
+
+def _random_split(seed, n):
+    gen = np.random.default_rng(seed)
+    return gen.integers(0, 256, (n, 28, 28), dtype=np.uint8), gen.integers(0, 10, n).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def mnist_dir(tmp_path_factory):
+    """Train files plain, test files gzipped: both kinds in one folder."""
+    folder = tmp_path_factory.mktemp("mnist")
+    data = {"train": _random_split(0, 300), "test": _random_split(1, 120)}
+    _write_split(folder, "train", *data["train"])
+    _write_split(folder, "test", *data["test"], gz=(True, True))
+    return folder, data
+
+
+@pytest.mark.parametrize("usage", ["train", "test", "all", None])
+def test_load_mnist_reads_every_value(mnist_dir, usage):
+    folder, data = mnist_dir
+    images, labels = load_mnist(folder, usage)
+    splits = {"train": ["train"], "test": ["test"], "all": ["train", "test"], None: ["train"]}[usage]
+    want_images = np.concatenate([data[s][0] for s in splits])
+    want_labels = np.concatenate([data[s][1] for s in splits])
+    assert images.shape == (len(want_labels), 28, 28, 1) and images.dtype == np.uint8
+    assert labels.dtype == np.int32 and images.flags.writeable
+    np.testing.assert_array_equal(images[..., 0], want_images)
+    np.testing.assert_array_equal(labels, want_labels)
+
+
+@pytest.mark.parametrize("gz", [(False, True), (True, False)])
+def test_mixed_gzip_and_other_image_sizes(tmp_path, gz):
+    gen = np.random.default_rng(2)
+    images = gen.integers(0, 256, (50, 5, 7), dtype=np.uint8)  # the header, not 28x28, sets the shape
+    labels = gen.integers(0, 10, 50).astype(np.uint8)
+    _write_split(tmp_path, "test", images, labels, gz=gz)
+    got_images, got_labels = load_mnist(str(tmp_path), "test")
+    np.testing.assert_array_equal(got_images, images[..., None])
+    np.testing.assert_array_equal(got_labels, labels)
+
+
+def test_uncompressed_file_wins_over_gz(tmp_path):
+    images, labels = _random_split(3, 10)
+    _write_split(tmp_path, "test", images, labels)
+    _write_split(tmp_path, "test", 255 - images, labels, gz=(True, True))
+    np.testing.assert_array_equal(load_mnist(tmp_path, "test")[0][..., 0], images)
+
+
+def test_read_idx_hand_made_bytes(tmp_path):
+    path = tmp_path / "labels"
+    path.write_bytes(bytes([0, 0, 8, 1, 0, 0, 0, 3, 4, 0, 9]))
+    assert read_idx(str(path), LABELS_MAGIC).tolist() == [4, 0, 9]
+    path.write_bytes(bytes([0, 0, 8, 3, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 3]) + bytes(range(6)))
+    assert read_idx(str(path), IMAGES_MAGIC).tolist() == [[[0, 1, 2], [3, 4, 5]]]
+
+
+def test_missing_directory_and_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"MnistDataset: dataset_dir .*nothing' does not exist"):
+        load_mnist(tmp_path / "nothing")
+    images, labels = _random_split(4, 5)
+    _write(tmp_path / NAMES["train"][0], _idx_bytes(images, IMAGES_MAGIC), False)
+    with pytest.raises(FileNotFoundError, match=r"MnistDataset: missing train-labels-idx1-ubyte \(or .gz\) in .*; "
+                                                r"expected files: train-images-idx3-ubyte, train-labels-idx1-ubyte"):
+        load_mnist(tmp_path, "train")
+    with pytest.raises(FileNotFoundError, match="missing t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte"):
+        load_mnist(tmp_path, "test")
+
+
+def test_bad_magic(tmp_path):
+    images, labels = _random_split(5, 5)
+    # image and label files swapped: each header announces the other kind
+    _write(tmp_path / NAMES["test"][0], _idx_bytes(labels, LABELS_MAGIC), False)
+    _write(tmp_path / NAMES["test"][1], _idx_bytes(images, IMAGES_MAGIC), False)
+    with pytest.raises(ValueError, match=r"MnistDataset: .*t10k-images-idx3-ubyte has magic number 0x00000801; "
+                                         r"expected 0x00000803 \(unsigned bytes, 3 dimensions\)"):
+        load_mnist(tmp_path, "test")
+    (tmp_path / NAMES["test"][0]).write_bytes(b"\x00\x00")
+    with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte is truncated: 2 bytes, shorter than the 4-byte"):
+        load_mnist(tmp_path, "test")
+
+
+def test_truncated_and_overlong_payloads(tmp_path):
+    images, labels = _random_split(6, 20)
+    payload = _idx_bytes(images, IMAGES_MAGIC)
+    _write(tmp_path / NAMES["test"][1], _idx_bytes(labels, LABELS_MAGIC), False)
+    _write(tmp_path / NAMES["test"][0], payload[:-100], True)
+    with pytest.raises(ValueError, match=r"MnistDataset: .*t10k-images-idx3-ubyte.gz is truncated: header shape "
+                                         r"\(20, 28, 28\) needs 15680 bytes of data, found 15580"):
+        load_mnist(tmp_path, "test")
+    (tmp_path / (NAMES["test"][0] + ".gz")).unlink()
+    _write(tmp_path / NAMES["test"][0], payload + b"\x00\x01", False)
+    with pytest.raises(ValueError, match=r"is longer than its header says: header shape \(20, 28, 28\) needs 15680 "
+                                         r"bytes of data, found 15682"):
+        load_mnist(tmp_path, "test")
+    _write(tmp_path / NAMES["test"][0], payload[:10], False)
+    with pytest.raises(ValueError, match=r"is truncated: 10 bytes, shorter than its 16-byte header"):
+        load_mnist(tmp_path, "test")
+
+
+def test_corrupt_gzip(tmp_path):
+    images, labels = _random_split(7, 20)
+    _write_split(tmp_path, "test", images, labels, gz=(True, False))
+    path = tmp_path / (NAMES["test"][0] + ".gz")
+    path.write_bytes(path.read_bytes()[:200])  # a download cut short
+    with pytest.raises(ValueError, match=r"MnistDataset: .*t10k-images-idx3-ubyte.gz is not a valid gzip file"):
+        load_mnist(tmp_path, "test")
+
+
+def test_count_mismatch_and_label_range(tmp_path):
+    images, labels = _random_split(8, 20)
+    _write_split(tmp_path, "test", images, labels[:19])
+    with pytest.raises(ValueError, match=r"MnistDataset: .*t10k-images-idx3-ubyte holds 20 images but "
+                                         r".*t10k-labels-idx1-ubyte holds 19 labels; expected the same count"):
+        load_mnist(tmp_path, "test")
+    labels[[4, 11]] = [10, 255]
+    _write_split(tmp_path, "test", images, labels)
+    with pytest.raises(ValueError, match=r"MnistDataset: .*t10k-labels-idx1-ubyte label 4 is 10; expected 0..9 "
+                                         r"\(2 labels out of range\)"):
+        load_mnist(tmp_path, "test")
+
+
+def test_bad_usage(mnist_dir):
+    with pytest.raises(ValueError, match="MnistDataset: usage must be 'train', 'test' or 'all', got 'val'"):
+        load_mnist(mnist_dir[0], "val")
+
+
+# ---------------------------------------------------------------- the dataset
+
+def test_mnist_dataset_columns_order_and_shards(mnist_dir):
+    from minidl.dataset import MnistDataset
+    folder, data = mnist_dir
+    ds = MnistDataset(folder, usage="test", shuffle=False)
+    assert ds.get_col_names() == ["image", "label"]
+    assert ds.get_dataset_size() == 120
+    rows = list(ds.create_tuple_iterator(num_epochs=1, output_numpy=True))
+    np.testing.assert_array_equal(np.stack([r[0] for r in rows])[..., 0], data["test"][0])
+    np.testing.assert_array_equal(np.array([r[1] for r in rows]), data["test"][1])
+    assert rows[0][0].shape == (28, 28, 1)
+    shards = [MnistDataset(folder, usage="test", shuffle=False, num_shards=4, shard_id=k) for k in range(4)]
+    got = [r[0].tobytes() for ds in shards for r in ds.create_tuple_iterator(num_epochs=1, output_numpy=True)]
+    assert all(ds.get_dataset_size() == 30 for ds in shards)
+    assert sorted(got) == sorted(img[..., None].tobytes() for img in data["test"][0])  # each image once
+    with pytest.raises(ValueError, match="num_shards"):
+        MnistDataset(folder, usage="test", num_shards=0, shard_id=0)

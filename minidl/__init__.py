@@ -10,11 +10,14 @@ from .autograd import value_and_grad, grad
 from . import ops
 from . import common
 from . import nn
+from . import dataset
 from .io import save_checkpoint, load_checkpoint, load_param_into_net, load_checkpoint_metadata
+from . import train
+from .train import Model
 
 __version__ = "0.1.0"
 
 __all__ = ["Tensor", "Parameter", "no_grad", "is_grad_enabled", "value_and_grad", "grad",
-           "set_context", "get_context", "set_seed", "get_seed", "ops", "nn", "common",
+           "set_context", "get_context", "set_seed", "get_seed", "ops", "nn", "common", "dataset", "train", "Model",
            "save_checkpoint", "load_checkpoint", "load_param_into_net", "load_checkpoint_metadata",
            "float16", "float32", "float64", "int8", "int32", "int64", "uint8", "bool_"]

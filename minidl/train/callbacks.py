@@ -1,0 +1,279 @@
+"""Callbacks as MindSpore's: the Callback base, RunContext, LossMonitor and TimeMonitor.
+
+``Model.train`` calls, on every callback, ``on_train_begin``, then per epoch
+``on_train_epoch_begin``, per step ``on_train_step_begin`` / ``on_train_step_end``, then
+``on_train_epoch_end``, and finally ``on_train_end``; ``Model.eval`` calls the ``on_eval_*``
+family. Each receives a RunContext whose ``original_args()`` is the ``cb_params``: a dict
+with attribute access holding ``cur_epoch_num`` (1-based), ``cur_step_num`` (global,
+1-based), ``batch_num`` (steps per epoch), ``epoch_num``, ``net_outputs`` (the step's loss
+Tensor), ``train_network``, ``optimizer``, ``loss_fn``, ``train_dataset`` ... A callback
+stops training with ``run_context.request_stop()``: the current step finishes, then
+``on_train_epoch_end`` and ``on_train_end`` still run.
+
+As in MindSpore 2.x, the ``on_*`` methods default to MindSpore 1.x's names (``begin``,
+``epoch_begin``, ``step_begin``, ``step_end``, ``epoch_end``, ``end``), so callbacks written
+either way work. The built-in callbacks override the ``on_train_*`` names, so they stay
+silent during ``Model.eval``.
+
+Example:
+    >>> class StopAt(Callback):
+    ...     def on_train_step_end(self, run_context):
+    ...         if run_context.original_args().cur_step_num == 10:
+    ...             run_context.request_stop()
+"""
+import time
+
+import numpy
+
+from ..tensor import Tensor
+
+__all__ = ["Callback", "RunContext", "CallbackParam", "CallbackList", "LossMonitor", "TimeMonitor", "loss_value"]
+
+
+class Callback:
+    """Base class of callbacks: override the hooks you need (all default to doing nothing).
+
+    Callbacks are also context managers; ``Model.train`` enters them for the duration of
+    training, so ``__enter__`` / ``__exit__`` can acquire and release resources.
+    """
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    # MindSpore 1.x names.
+    def begin(self, run_context):
+        """Called once before training (and before evaluation)."""
+
+    def epoch_begin(self, run_context):
+        """Called before each epoch."""
+
+    def epoch_end(self, run_context):
+        """Called after each epoch."""
+
+    def step_begin(self, run_context):
+        """Called before each step."""
+
+    def step_end(self, run_context):
+        """Called after each step."""
+
+    def end(self, run_context):
+        """Called once after training (and after evaluation)."""
+
+    # MindSpore 2.x names: each defaults to its 1.x counterpart.
+    def on_train_begin(self, run_context):
+        self.begin(run_context)
+
+    def on_train_epoch_begin(self, run_context):
+        self.epoch_begin(run_context)
+
+    def on_train_epoch_end(self, run_context):
+        self.epoch_end(run_context)
+
+    def on_train_step_begin(self, run_context):
+        self.step_begin(run_context)
+
+    def on_train_step_end(self, run_context):
+        self.step_end(run_context)
+
+    def on_train_end(self, run_context):
+        self.end(run_context)
+
+    def on_eval_begin(self, run_context):
+        self.begin(run_context)
+
+    def on_eval_epoch_begin(self, run_context):
+        self.epoch_begin(run_context)
+
+    def on_eval_epoch_end(self, run_context):
+        self.epoch_end(run_context)
+
+    def on_eval_step_begin(self, run_context):
+        self.step_begin(run_context)
+
+    def on_eval_step_end(self, run_context):
+        self.step_end(run_context)
+
+    def on_eval_end(self, run_context):
+        self.end(run_context)
+
+
+class CallbackParam(dict):
+    """The ``cb_params`` dict, whose keys are also attributes (``cb_params.cur_step_num``)."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(f"cb_params has no field {key!r}; fields: {sorted(self)}") from None
+
+    def __setattr__(self, key, value):
+        self[key] = value
+
+
+class RunContext:
+    """What a callback receives: the run's parameters and a way to stop it.
+
+    Args:
+        original_args: the cb_params dict.
+    """
+
+    def __init__(self, original_args):
+        if not isinstance(original_args, dict):
+            raise TypeError(f"RunContext: original_args must be a dict, got {type(original_args).__name__}")
+        self._original_args = original_args
+        self._stop_requested = False
+
+    def original_args(self):
+        """The cb_params (a dict with attribute access)."""
+        return self._original_args
+
+    def request_stop(self):
+        """Asks the loop to stop after the current step (epoch end and train end still run)."""
+        self._stop_requested = True
+
+    def get_stop_requested(self):
+        """True once some callback called request_stop()."""
+        return self._stop_requested
+
+
+_HOOKS = ("on_train_begin", "on_train_epoch_begin", "on_train_epoch_end", "on_train_step_begin", "on_train_step_end",
+          "on_train_end", "on_eval_begin", "on_eval_epoch_begin", "on_eval_epoch_end", "on_eval_step_begin",
+          "on_eval_step_end", "on_eval_end")
+
+
+class CallbackList(Callback):
+    """Runs several callbacks in order, as one (MindSpore's CallbackManager).
+
+    Args:
+        callbacks: None, a Callback, or a list/tuple of Callbacks.
+    """
+
+    def __init__(self, callbacks, who="Model"):
+        if callbacks is None:
+            callbacks = []
+        elif isinstance(callbacks, Callback):
+            callbacks = [callbacks]
+        elif isinstance(callbacks, (list, tuple)):
+            for i, cb in enumerate(callbacks):
+                if not isinstance(cb, Callback):
+                    raise TypeError(f"{who}: callbacks[{i}] must be a Callback, got {type(cb).__name__}")
+            callbacks = list(callbacks)
+        else:
+            raise TypeError(f"{who}: callbacks must be a Callback or a list of Callbacks, got "
+                            f"{type(callbacks).__name__}")
+        self.callbacks = callbacks
+        self._entered = []
+
+    def __enter__(self):
+        for cb in self.callbacks:
+            cb.__enter__()
+            self._entered.append(cb)
+        return self
+
+    def __exit__(self, *exc):
+        while self._entered:
+            self._entered.pop().__exit__(*exc)
+        return False
+
+
+def _dispatch(name):
+    def hook(self, run_context):
+        for cb in self.callbacks:
+            getattr(cb, name)(run_context)
+    hook.__name__ = name
+    return hook
+
+
+for _name in _HOOKS:
+    setattr(CallbackList, _name, _dispatch(_name))
+
+
+def loss_value(net_outputs):
+    """The loss of a step as a NumPy scalar of the loss's dtype (so it prints as MindSpore's,
+    e.g. ``2.3025854`` for float32), or None when the outputs hold no loss."""
+    loss = net_outputs
+    if isinstance(loss, (tuple, list)) and loss:
+        loss = loss[0]
+    if isinstance(loss, Tensor):
+        loss = loss.asnumpy()
+    if isinstance(loss, numpy.ndarray) or isinstance(loss, numpy.generic):
+        loss = numpy.asarray(loss)
+        return loss.dtype.type(loss.mean()) if loss.size else None
+    if isinstance(loss, (int, float)):
+        return numpy.float64(loss)
+    return None
+
+
+class LossMonitor(Callback):
+    """Prints ``epoch: E step: S, loss is L`` every ``per_print_times`` steps (S: step within
+    the epoch), and the evaluation metrics at an epoch's end when ``Model.fit`` computed them.
+
+    Args:
+        per_print_times: print every this many steps; 0 prints nothing.
+
+    Raises:
+        ValueError: at a step whose loss is NaN or infinite (training stops).
+    """
+
+    def __init__(self, per_print_times=1):
+        super().__init__()
+        if isinstance(per_print_times, bool) or not isinstance(per_print_times, int) or per_print_times < 0:
+            raise ValueError(f"LossMonitor: per_print_times must be an int >= 0, got {per_print_times!r}")
+        self._per_print_times = per_print_times
+        self._last_print_time = 0
+
+    def on_train_begin(self, run_context):
+        # Print at multiples of per_print_times, also when a resumed run starts mid-way.
+        step = run_context.original_args().cur_step_num
+        self._last_print_time = step - step % self._per_print_times if self._per_print_times else step
+
+    def on_train_step_end(self, run_context):
+        cb_params = run_context.original_args()
+        loss = loss_value(cb_params.net_outputs)
+        cur_step_in_epoch = cb_params.get("cur_step_in_epoch") or (cb_params.cur_step_num - 1) % cb_params.batch_num + 1
+        if loss is not None and not numpy.isfinite(loss):
+            raise ValueError(f"epoch: {cb_params.cur_epoch_num} step: {cur_step_in_epoch}. "
+                             f"Invalid loss {str(loss)}, terminating training.")
+        if self._per_print_times and cb_params.cur_step_num - self._last_print_time >= self._per_print_times:
+            self._last_print_time = cb_params.cur_step_num
+            print(f"epoch: {cb_params.cur_epoch_num} step: {cur_step_in_epoch}, loss is {str(loss)}", flush=True)
+
+    def on_train_epoch_end(self, run_context):
+        cb_params = run_context.original_args()
+        metrics = cb_params.get("metrics")
+        if metrics:
+            print(f"Eval result: epoch {cb_params.cur_epoch_num}, metrics: {metrics}", flush=True)
+
+
+class TimeMonitor(Callback):
+    """Prints ``epoch time: T ms, per step time: t ms`` at the end of every epoch.
+
+    Args:
+        data_size: steps per epoch, used only when the loop does not tell (MindSpore's
+            argument; the loop always tells here). The per-step time divides by the number
+            of steps actually run in the epoch (fewer after a resume or a stop).
+    """
+
+    def __init__(self, data_size=None):
+        super().__init__()
+        if data_size is not None and (isinstance(data_size, bool) or not isinstance(data_size, int)
+                                      or data_size < 1):
+            raise ValueError(f"TimeMonitor: data_size must be None or an int >= 1, got {data_size!r}")
+        self.data_size = data_size
+        self.epoch_time = time.perf_counter()
+        self._first_step = 0
+
+    def on_train_epoch_begin(self, run_context):
+        self.epoch_time = time.perf_counter()
+        self._first_step = run_context.original_args().cur_step_num
+
+    def on_train_epoch_end(self, run_context):
+        epoch_ms = (time.perf_counter() - self.epoch_time) * 1000
+        cb_params = run_context.original_args()
+        steps = cb_params.cur_step_num - self._first_step
+        if steps <= 0:
+            steps = self.data_size or cb_params.get("batch_num") or 1
+        print(f"epoch time: {epoch_ms:5.3f} ms, per step time: {epoch_ms / steps:5.3f} ms", flush=True)

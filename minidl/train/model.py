@@ -1,0 +1,389 @@
+"""Model: the one-call training loop (train / fit / eval / predict), as MindSpore's Model.
+
+Each training step computes the loss (and the logits) with ``value_and_grad`` over
+``optimizer.parameters``, passes the gradients through the model's grad reducer, and
+applies ``optimizer(grads)``. With ``loss_fn`` None the network itself takes every column
+of the dataset and returns the loss.
+
+The grad reducer is the one seam where data-parallel training plugs in: a callable
+``grads -> grads`` (a tuple aligned with ``optimizer.parameters``) run between backward and
+the optimizer, e.g. an all-reduce over ranks. ``Model(grad_reducer=...)`` sets it;
+otherwise the factory registered with ``set_default_grad_reducer`` (which a parallel
+context's ``init()`` calls; minidl itself never does) makes it from the optimizer's
+parameters, and with neither the gradients pass unchanged.
+
+Example:
+    >>> model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
+    ...               nn.Momentum(net.trainable_params(), 0.1, 0.9), metrics={"accuracy"})
+    >>> model.train(2, train_ds, callbacks=[LossMonitor(), ModelCheckpoint("net", "ckpt")])
+    epoch: 1 step: 1, loss is 2.3025854
+    ...
+    >>> model.eval(test_ds)
+    {'accuracy': 0.91}
+"""
+import numbers
+
+from ..autograd import value_and_grad
+from ..tensor import Tensor, no_grad
+from .callbacks import CallbackList, CallbackParam, RunContext
+from .checkpoint import restore_train_state
+from .metrics import Loss, get_metrics
+from .progress import MetricsLogger, ProgressBar, use_progress_bar
+
+__all__ = ["Model", "set_default_grad_reducer", "get_default_grad_reducer"]
+
+_default_grad_reducer = {"factory": None}
+
+
+def set_default_grad_reducer(factory):
+    """Registers how Models built from now on reduce gradients when not given a grad_reducer.
+
+    Args:
+        factory: ``factory(parameters) -> reducer`` with ``reducer(grads) -> grads``, or None
+            to go back to no reduction.
+    """
+    if factory is not None and not callable(factory):
+        raise TypeError(f"set_default_grad_reducer: factory must be callable or None, got {type(factory).__name__}")
+    _default_grad_reducer["factory"] = factory
+
+
+def get_default_grad_reducer():
+    """The factory registered with set_default_grad_reducer, or None."""
+    return _default_grad_reducer["factory"]
+
+
+def _is_cell(x):
+    return callable(x) and hasattr(x, "parameters_and_names") and hasattr(x, "set_train")
+
+
+def _describe(out):
+    if isinstance(out, Tensor):
+        return f"a Tensor of shape {out.shape}"
+    if isinstance(out, (tuple, list)):
+        return f"a {type(out).__name__} of {len(out)} values"
+    return f"a {type(out).__name__}"
+
+
+def _as_tensor(x):
+    return x if isinstance(x, Tensor) else Tensor(x)
+
+
+class Model:
+    """Trains, evaluates and predicts with a network.
+
+    Args:
+        network: the Cell to train; with loss_fn None it returns the loss itself.
+        loss_fn: a loss Cell called as ``loss_fn(network(data), label)``, or None.
+        optimizer: an Optimizer over the network's parameters (needed by train).
+        metrics: names ({"accuracy", "loss"}) or a dict name -> Metric, for eval.
+        eval_network: a Cell used by eval instead of the default ``(loss, logits, label)``
+            evaluation; called with every column of a row.
+        eval_indexes: with eval_network, the positions of (loss, logits, label) in its
+            outputs; None passes all its outputs to every metric's update.
+        grad_reducer: ``grads -> grads``, run before the optimizer (see the module doc).
+    """
+
+    def __init__(self, network, loss_fn=None, optimizer=None, metrics=None, eval_network=None, eval_indexes=None,
+                 grad_reducer=None):
+        if not _is_cell(network):
+            raise TypeError(f"Model: network must be a Cell, got {type(network).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"Model: loss_fn must be a loss Cell (callable) or None, got {type(loss_fn).__name__}")
+        if optimizer is not None and not (callable(optimizer) and hasattr(optimizer, "parameters")
+                                          and hasattr(optimizer, "parameters_and_names")):
+            raise TypeError(f"Model: optimizer must be an Optimizer or None, got {type(optimizer).__name__}")
+        if eval_network is not None and not callable(eval_network):
+            raise TypeError(f"Model: eval_network must be a Cell or None, got {type(eval_network).__name__}")
+        if eval_indexes is not None:
+            if eval_network is None:
+                raise ValueError("Model: eval_indexes needs eval_network")
+            if (not isinstance(eval_indexes, (list, tuple)) or len(eval_indexes) != 3
+                    or not all(isinstance(i, numbers.Integral) for i in eval_indexes)):
+                raise ValueError(f"Model: eval_indexes must be 3 ints (positions of loss, logits, label in the "
+                                 f"eval_network's outputs), got {eval_indexes!r}")
+        self._metric_fns = get_metrics(metrics)
+        if self._metric_fns and eval_network is None and loss_fn is None:
+            raise ValueError("Model: metrics need either loss_fn (to evaluate network(data) against the label) or "
+                             "eval_network; pass one, or no metrics")
+        if grad_reducer is None and optimizer is not None and get_default_grad_reducer() is not None:
+            grad_reducer = get_default_grad_reducer()(optimizer.parameters)
+        if grad_reducer is not None and not callable(grad_reducer):
+            raise TypeError(f"Model: grad_reducer must be callable (grads -> grads) or None, got "
+                            f"{type(grad_reducer).__name__}")
+        self._network = network
+        self._loss_fn = loss_fn
+        self._optimizer = optimizer
+        self._eval_network = eval_network
+        self._eval_indexes = list(eval_indexes) if eval_indexes is not None else (
+            [0, 1, 2] if eval_network is None else None)
+        self.grad_reducer = grad_reducer
+
+    # ---- what MindSpore's Model exposes ------------------------------------------------------
+
+    @property
+    def train_network(self):
+        return self._network
+
+    @property
+    def predict_network(self):
+        return self._network
+
+    @property
+    def eval_network(self):
+        return self._eval_network
+
+    @property
+    def metrics(self):
+        """The dict name -> Metric used by eval."""
+        return self._metric_fns
+
+    # ---- input checks --------------------------------------------------------------------------
+
+    def _check_dataset(self, who, name, dataset, for_training):
+        for method in ("get_dataset_size", "epoch_iterator", "get_col_names"):
+            if not callable(getattr(dataset, method, None)):
+                raise TypeError(f"Model.{who}: {name} must be a minidl.dataset Dataset (with get_dataset_size, "
+                                f"epoch_iterator, get_col_names), got {type(dataset).__name__}")
+        cols = list(dataset.get_col_names())
+        needs_pair = self._loss_fn is not None if for_training else self._eval_network is None
+        if needs_pair and len(cols) != 2:
+            why = "loss_fn is given" if for_training else "the default evaluation is used"
+            alternative = "loss_fn=None and a network taking every column" if for_training else "eval_network="
+            raise ValueError(f"Model.{who}: {name} must yield 2 columns (data, label) since {why}, got {len(cols)} "
+                             f"column(s) {cols}; build the dataset with those two columns, or pass {alternative}")
+        size = dataset.get_dataset_size()
+        if not isinstance(size, numbers.Integral) or size <= 0:
+            raise ValueError(f"Model.{who}: {name} is empty (get_dataset_size() returned {size!r}); "
+                             f"check its source, sharding and batch(drop_remainder=...)")
+        return int(size), len(cols)
+
+    @staticmethod
+    def _check_epoch(epoch):
+        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch <= 0:
+            raise ValueError(f"Model.train: epoch must be an int >= 1, got {epoch!r}")
+        return int(epoch)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def _build_step(self):
+        net, loss_fn, who = self._network, self._loss_fn, "Model.train"
+
+        def scalar(loss, what, hint):
+            if not isinstance(loss, Tensor) or loss.size != 1:
+                raise ValueError(f"{who}: {what} must return the loss as a scalar Tensor, but it returned "
+                                 f"{_describe(loss)}; {hint}")
+            return loss
+
+        if loss_fn is None:
+            def forward(*columns):
+                out = net(*columns)
+                loss = out[0] if isinstance(out, (tuple, list)) and out else out
+                scalar(loss, "since loss_fn is None, the network",
+                       "pass loss_fn= (e.g. nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction='mean'))")
+                return loss, None
+        else:
+            def forward(data, label):
+                logits = net(data)
+                loss = scalar(loss_fn(logits, label), "loss_fn", "use a loss with reduction='mean' or 'sum'")
+                return loss, logits
+
+        grad_fn = value_and_grad(forward, None, self._optimizer.parameters, has_aux=True)
+
+        def step(row):
+            (loss, _), grads = grad_fn(*row)
+            if self.grad_reducer is not None:
+                grads = self.grad_reducer(grads)
+            self._optimizer(grads)
+            return loss.detach()
+        return step
+
+    # ---- training ------------------------------------------------------------------------------
+
+    def train(self, epoch, train_dataset, callbacks=None, dataset_sink_mode=False, resume_from=None, log_file=None,
+              progress=None):
+        """Trains for ``epoch`` epochs (in total, counting those a resumed checkpoint did).
+
+        Args:
+            epoch: number of epochs (>= 1).
+            train_dataset: a minidl.dataset Dataset yielding (data, label) rows (batches), or
+                the network's inputs when loss_fn is None.
+            callbacks: a Callback or a list of them.
+            dataset_sink_mode: accepted for MindSpore compatibility; data is always fed
+                step by step here.
+            resume_from: a checkpoint written by ModelCheckpoint: parameters, optimizer
+                state, position and random state are restored, and training continues
+                after its last step (on CPU bit-identically to a run never interrupted).
+            log_file: path of a JSON-lines metrics log (appended to when resuming).
+            progress: True / False for a tqdm progress bar; None: only on a terminal.
+        """
+        self._run(epoch, train_dataset, None, 1, callbacks, dataset_sink_mode, resume_from, log_file, progress)
+
+    def fit(self, epoch, train_dataset, valid_dataset=None, valid_frequency=1, callbacks=None,
+            dataset_sink_mode=False, resume_from=None, log_file=None, progress=None):
+        """Trains as ``train`` and evaluates on ``valid_dataset`` every ``valid_frequency``
+        epochs (and after the last); results go to ``cb_params.metrics`` (LossMonitor prints
+        them, the metrics log records them)."""
+        if valid_dataset is not None:
+            if not self._metric_fns:
+                raise ValueError("Model.fit: valid_dataset needs metrics; pass metrics= to Model")
+            self._check_dataset("fit", "valid_dataset", valid_dataset, for_training=False)
+        if isinstance(valid_frequency, bool) or not isinstance(valid_frequency, int) or valid_frequency < 1:
+            raise ValueError(f"Model.fit: valid_frequency must be an int >= 1, got {valid_frequency!r}")
+        self._run(epoch, train_dataset, valid_dataset, valid_frequency, callbacks, dataset_sink_mode, resume_from,
+                  log_file, progress)
+
+    def _run(self, epoch, dataset, valid_dataset, valid_frequency, callbacks, dataset_sink_mode, resume_from,
+             log_file, progress):
+        epoch = self._check_epoch(epoch)
+        if self._optimizer is None:
+            raise ValueError("Model.train: an optimizer is needed to train; pass optimizer= to Model")
+        if not isinstance(dataset_sink_mode, bool):
+            raise TypeError(f"Model.train: dataset_sink_mode must be a bool, got {dataset_sink_mode!r}")
+        batch_num, _ = self._check_dataset("train", "train_dataset", dataset, for_training=True)
+        cbs = CallbackList(callbacks, "Model.train")
+        extra = []
+        if log_file is not None:
+            extra.append(MetricsLogger(log_file, mode="a" if resume_from is not None else "w"))
+        if use_progress_bar(progress):
+            extra.append(ProgressBar())
+        cbs.callbacks = cbs.callbacks + extra
+
+        start_epoch, skip, global_step = 0, 0, 0
+        if resume_from is not None:
+            pos = restore_train_state(resume_from, self._network, self._optimizer)
+            if pos.batch_num != batch_num:
+                raise ValueError(f"Model.train: checkpoint {resume_from!r} was trained with {pos.batch_num} steps per "
+                                 f"epoch, but train_dataset has {batch_num}; resume with the same dataset, batch "
+                                 f"size and sharding")
+            start_epoch, skip, global_step = pos.epoch, pos.skip_batches, pos.global_step
+
+        cb_params = CallbackParam(
+            train_network=self._network, network=self._network, optimizer=self._optimizer, loss_fn=self._loss_fn,
+            train_dataset=dataset, valid_dataset=valid_dataset, epoch_num=epoch, batch_num=batch_num,
+            cur_epoch_num=start_epoch, cur_step_num=global_step, cur_step_in_epoch=skip, net_outputs=None,
+            dataset_sink_mode=dataset_sink_mode, mode="train", list_callback=cbs, metrics=None, eval_results=None)
+        run_context = RunContext(cb_params)
+        step = self._build_step()
+        self._network.set_train(True)
+        with cbs:
+            cbs.on_train_begin(run_context)
+            for ep in range(start_epoch, epoch):
+                cb_params.cur_epoch_num = ep + 1
+                cb_params.cur_step_in_epoch = skip if ep == start_epoch else 0
+                cb_params.metrics = None
+                cbs.on_train_epoch_begin(run_context)
+                self._run_epoch(dataset, ep, cb_params.cur_step_in_epoch, step, cbs, run_context)
+                stopped = run_context.get_stop_requested()
+                if valid_dataset is not None and not stopped and ((ep + 1) % valid_frequency == 0 or ep + 1 == epoch):
+                    cb_params.metrics = cb_params.eval_results = self._evaluate(valid_dataset, None)
+                    self._network.set_train(True)
+                cbs.on_train_epoch_end(run_context)
+                if run_context.get_stop_requested():
+                    break
+            cbs.on_train_end(run_context)
+
+    def _run_epoch(self, dataset, ep, skip, step, cbs, run_context):
+        cb_params = run_context.original_args()
+        n_cols = len(dataset.get_col_names())
+        it = dataset.epoch_iterator(ep, skip_batches=skip, output_numpy=False)
+        try:
+            for row in it:
+                row = tuple(_as_tensor(x) for x in (row if isinstance(row, (tuple, list)) else (row,)))
+                if len(row) != n_cols:
+                    raise ValueError(f"Model.train: train_dataset yielded a row of {len(row)} column(s), but "
+                                     f"get_col_names() lists {n_cols}")
+                cb_params.cur_step_num += 1
+                cb_params.cur_step_in_epoch += 1
+                cbs.on_train_step_begin(run_context)
+                cb_params.net_outputs = step(row)
+                cbs.on_train_step_end(run_context)
+                if run_context.get_stop_requested():
+                    break
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()  # stops the dataset's prefetch threads when leaving early
+
+    # ---- evaluation ----------------------------------------------------------------------------
+
+    def eval(self, valid_dataset, callbacks=None, dataset_sink_mode=False):
+        """Evaluates the metrics over one pass of ``valid_dataset`` (inference mode, no grad).
+
+        Returns:
+            dict metric name -> value.
+        """
+        if not self._metric_fns:
+            raise ValueError("Model.eval: no metrics to evaluate; pass metrics= (e.g. {'accuracy'}) to Model")
+        self._check_dataset("eval", "valid_dataset", valid_dataset, for_training=False)
+        return self._evaluate(valid_dataset, callbacks)
+
+    def _evaluate(self, dataset, callbacks):
+        cbs = CallbackList(callbacks, "Model.eval")
+        batch_num = dataset.get_dataset_size()
+        cb_params = CallbackParam(eval_network=self._eval_network or self._network, network=self._network,
+                                  valid_dataset=dataset, batch_num=batch_num, epoch_num=1, cur_epoch_num=1,
+                                  cur_step_num=0, net_outputs=None, mode="eval", list_callback=cbs, metrics=None)
+        run_context = RunContext(cb_params)
+        for m in self._metric_fns.values():
+            m.clear()
+        self._network.set_train(False)
+        if self._eval_network is not None and hasattr(self._eval_network, "set_train"):
+            self._eval_network.set_train(False)
+        with cbs, no_grad():
+            cbs.on_eval_begin(run_context)
+            cbs.on_eval_epoch_begin(run_context)
+            it = dataset.epoch_iterator(0, skip_batches=0, output_numpy=False)
+            try:
+                for row in it:
+                    row = tuple(_as_tensor(x) for x in (row if isinstance(row, (tuple, list)) else (row,)))
+                    cb_params.cur_step_num += 1
+                    cbs.on_eval_step_begin(run_context)
+                    outputs = self._eval_outputs(row)
+                    cb_params.net_outputs = outputs
+                    self._update_metrics(outputs)
+                    cbs.on_eval_step_end(run_context)
+                    if run_context.get_stop_requested():
+                        break
+            finally:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
+            results = {name: m.eval() for name, m in self._metric_fns.items()}
+            cb_params.metrics = results
+            cbs.on_eval_epoch_end(run_context)
+            cbs.on_eval_end(run_context)
+        return results
+
+    def _eval_outputs(self, row):
+        if self._eval_network is not None:
+            out = self._eval_network(*row)
+            return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        data, label = row
+        logits = self._network(data)
+        loss = self._loss_fn(logits, label)
+        return loss, logits, label
+
+    def _update_metrics(self, outputs):
+        idx = self._eval_indexes
+        if idx is not None and len(outputs) <= max(idx):
+            raise ValueError(f"Model.eval: eval_indexes {idx} need at least {max(idx) + 1} outputs from the eval "
+                             f"network, got {len(outputs)}")
+        for metric in self._metric_fns.values():
+            if metric.indexes is not None:
+                metric.update(*[outputs[i] for i in metric.indexes])
+            elif idx is None:
+                metric.update(*outputs)
+            elif isinstance(metric, Loss):
+                metric.update(outputs[idx[0]])
+            else:
+                metric.update(outputs[idx[1]], outputs[idx[2]])
+
+    # ---- prediction ----------------------------------------------------------------------------
+
+    def predict(self, *inputs):
+        """``network(*inputs)`` in inference mode without recording gradients."""
+        if not inputs:
+            raise ValueError("Model.predict: needs at least one input")
+        self._network.set_train(False)
+        with no_grad():
+            return self._network(*[_as_tensor(x) for x in inputs])

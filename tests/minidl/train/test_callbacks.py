@@ -1,0 +1,193 @@
+"""Callbacks: hook order and the 1.x aliases, LossMonitor's exact line, TimeMonitor,
+ModelCheckpoint's files and keep policy, latest_checkpoint."""
+import os
+import re
+
+import numpy as np
+import pytest
+
+import minidl
+from minidl import nn, ops, Parameter, Tensor
+from minidl.train import (Callback, CallbackList, CallbackParam, CheckpointConfig, LossMonitor, Model,
+                          ModelCheckpoint, RunContext, TimeMonitor, latest_checkpoint)
+
+from .helpers import Recorder, StopAt, blobs, ce_loss, mlp, momentum, slices
+
+
+class ConstLoss(nn.Cell):
+    """Returns ``w * 0 + value`` (as float32): a loss whose printed value is known exactly."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.w = Parameter(np.ones(1, np.float32), name="w")
+        self.value = np.float32(value)
+
+    def construct(self, x, y):
+        return ops.reduce_sum(self.w * 0.0) + Tensor(self.value)
+
+
+def _const_model(value):
+    net = ConstLoss(value)
+    return Model(net, None, nn.SGD(net.trainable_params(), learning_rate=0.1))
+
+
+def _small_ds(n=12, batch=4):
+    x, y = blobs(n=n)
+    return slices((x, y), ["x", "y"], batch)
+
+
+def test_loss_monitor_prints_mindspore_line_exactly(capsys):
+    _const_model(2.3025854).train(1, _small_ds(8, 4), callbacks=LossMonitor())
+    assert capsys.readouterr().out.splitlines() == ["epoch: 1 step: 1, loss is 2.3025854",
+                                                    "epoch: 1 step: 2, loss is 2.3025854"]
+
+
+def test_loss_monitor_prints_float32_shortest_repr_of_real_loss(capsys):
+    # zero weights: uniform softmax over 10 classes, loss = ln(10) rounded to float32
+    net = nn.Dense(4, 10, weight_init="zeros", bias_init="zeros")
+    x = np.ones((4, 4), np.float32)
+    Model(net, ce_loss(), momentum(net)).train(1, slices((x, np.zeros(4, np.int32)), ["x", "y"], 4),
+                                               callbacks=[LossMonitor()])
+    assert capsys.readouterr().out == "epoch: 1 step: 1, loss is 2.3025851\n"
+    assert str(np.float32(np.log(10))) == "2.3025851"
+
+
+def test_loss_monitor_per_print_times_counts_global_steps_and_step_in_epoch(capsys):
+    _const_model(1.5).train(2, _small_ds(12, 4), callbacks=LossMonitor(per_print_times=2))
+    assert capsys.readouterr().out.splitlines() == ["epoch: 1 step: 2, loss is 1.5",
+                                                    "epoch: 2 step: 1, loss is 1.5",
+                                                    "epoch: 2 step: 3, loss is 1.5"]
+    _const_model(1.5).train(1, _small_ds(), callbacks=LossMonitor(per_print_times=0))
+    assert capsys.readouterr().out == ""
+
+
+def test_loss_monitor_stops_on_nan_and_checks_its_argument():
+    with pytest.raises(ValueError, match=r"epoch: 1 step: 1\. Invalid loss nan"):
+        _const_model(np.nan).train(1, _small_ds(), callbacks=LossMonitor())
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="per_print_times must be an int >= 0"):
+            LossMonitor(bad)
+
+
+def test_time_monitor_line(capsys):
+    _const_model(1.0).train(2, _small_ds(12, 4), callbacks=TimeMonitor())
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        m = re.fullmatch(r"epoch time: (\d+\.\d{3}) ms, per step time: (\d+\.\d{3}) ms", line)
+        assert m, line
+        assert float(m.group(2)) == pytest.approx(float(m.group(1)) / 3, abs=2e-3)
+    with pytest.raises(ValueError, match="data_size"):
+        TimeMonitor(0)
+
+
+def test_hooks_run_in_order_with_1x_aliases_and_stop_finishes_epoch():
+    rec = Recorder()
+    _const_model(1.0).train(3, _small_ds(12, 4), callbacks=[rec, StopAt(4)])
+    names = [e[0] for e in rec.events]
+    assert names == (["begin", "epoch_begin"] + ["step_begin", "step_end"] * 3 + ["epoch_end", "epoch_begin"]
+                     + ["step_begin", "step_end", "epoch_end", "end"])
+    # cur_epoch_num is 1-based, cur_step_num global and 1-based
+    assert [e[1:] for e in rec.events if e[0] == "step_end"] == [(1, 1), (1, 2), (1, 3), (2, 4)]
+
+
+def test_cb_params_fields():
+    seen = {}
+
+    class Grab(Callback):
+        def on_train_step_end(self, run_context):
+            cb = run_context.original_args()
+            seen.update(cb)
+            seen["loss"] = cb.net_outputs.asnumpy()
+
+    x, y = blobs(n=8)
+    net = mlp()
+    opt = momentum(net)
+    Model(net, ce_loss(), opt).train(2, slices((x, y), ["x", "y"], 4), callbacks=Grab())
+    assert seen["epoch_num"] == 2 and seen["batch_num"] == 2
+    assert seen["cur_epoch_num"] == 2 and seen["cur_step_num"] == 4
+    assert seen["train_network"] is net and seen["optimizer"] is opt
+    assert seen["loss"].shape == () and seen["loss"].dtype == np.float32
+
+
+def test_eval_hooks_default_to_1x_names():
+    rec = Recorder()
+    x, y = blobs(n=8)
+    net = mlp()
+    Model(net, ce_loss(), momentum(net), metrics={"accuracy"}).eval(slices((x, y), ["x", "y"], 4), callbacks=rec)
+    assert [e[0] for e in rec.events] == ["begin", "epoch_begin", "step_begin", "step_end", "step_begin",
+                                          "step_end", "epoch_end", "end"]
+
+
+def test_callback_list_and_run_context_checks():
+    with pytest.raises(TypeError, match=r"callbacks\[1\] must be a Callback, got int"):
+        CallbackList([LossMonitor(), 3])
+    with pytest.raises(TypeError, match="Callback or a list"):
+        CallbackList("LossMonitor")
+    with pytest.raises(TypeError, match="original_args must be a dict"):
+        RunContext([1])
+    p = CallbackParam(a=1)
+    p.b = 2
+    assert (p.a, p["b"]) == (1, 2)
+    with pytest.raises(AttributeError, match="no field 'c'"):
+        p.c
+
+
+def _train_with_ckpt(tmp_path, epochs, config, prefix="net", n=12, batch=4, callbacks=()):
+    x, y = blobs(n=n)
+    net = mlp()
+    ckpt = ModelCheckpoint(prefix, str(tmp_path), config)
+    Model(net, ce_loss(), momentum(net)).train(epochs, slices((x, y), ["x", "y"], batch),
+                                               callbacks=[ckpt, *callbacks])
+    return net, ckpt
+
+
+def test_model_checkpoint_names_keeps_max_and_holds_the_resume_state(tmp_path):
+    net, ckpt = _train_with_ckpt(tmp_path, 2, CheckpointConfig(save_checkpoint_steps=2, keep_checkpoint_max=2))
+    # steps 2, 4, 6 (epoch 1 step 2, epoch 2 step 1, epoch 2 step 3); the oldest is gone
+    assert sorted(os.listdir(tmp_path)) == ["net-2_1.ckpt", "net-2_3.ckpt"]
+    assert ckpt.latest_ckpt_file_name == str(tmp_path / "net-2_3.ckpt")
+    params = minidl.load_checkpoint(ckpt.latest_ckpt_file_name)
+    for name, p in net.parameters_and_names():
+        assert np.array_equal(params[name].asnumpy(), p.asnumpy())
+    assert "global_step" in params and any(k.startswith("moments.") for k in params)
+    meta = minidl.load_checkpoint_metadata(ckpt.latest_ckpt_file_name)
+    assert {k: meta[k] for k in ("epoch_num", "step_num", "step_in_epoch", "batch_num")} == \
+        {"epoch_num": "2", "step_num": "6", "step_in_epoch": "3", "batch_num": "3"}
+
+
+def test_model_checkpoint_saves_at_train_end_when_not_just_saved(tmp_path):
+    _train_with_ckpt(tmp_path, 1, CheckpointConfig(save_checkpoint_steps=100), callbacks=[StopAt(2)])
+    assert os.listdir(tmp_path) == ["net-1_2.ckpt"]
+
+
+def test_second_run_gets_a_new_prefix_and_latest_checkpoint_finds_it(tmp_path):
+    cfg = CheckpointConfig(save_checkpoint_steps=3, keep_checkpoint_max=10)
+    _, first = _train_with_ckpt(tmp_path, 1, cfg)
+    _, second = _train_with_ckpt(tmp_path, 1, cfg, callbacks=[StopAt(2)])
+    assert (first.prefix, second.prefix) == ("net", "net_1")
+    assert sorted(os.listdir(tmp_path)) == ["net-1_3.ckpt", "net_1-1_2.ckpt"]
+    assert latest_checkpoint(str(tmp_path), "net") == str(tmp_path / "net_1-1_2.ckpt")
+    assert latest_checkpoint(str(tmp_path), "other") is None
+    assert latest_checkpoint(str(tmp_path / "missing"), "net") is None
+
+
+def test_checkpoint_config_and_model_checkpoint_checks(tmp_path):
+    with pytest.raises(ValueError, match="cannot all be 0"):
+        CheckpointConfig(save_checkpoint_steps=0, keep_checkpoint_max=0)
+    with pytest.raises(ValueError, match="save_checkpoint_steps must be an int >= 0"):
+        CheckpointConfig(save_checkpoint_steps=-1)
+    with pytest.raises(ValueError, match="reserved"):
+        CheckpointConfig(append_info=[{"step_num": 3}])
+    assert CheckpointConfig(keep_checkpoint_max=0).keep_checkpoint_max == 1
+    with pytest.raises(ValueError, match="prefix must be a non-empty str without '/'"):
+        ModelCheckpoint("a/b", str(tmp_path))
+    with pytest.raises(TypeError, match="config must be a CheckpointConfig"):
+        ModelCheckpoint("a", str(tmp_path), config={"save_checkpoint_steps": 1})
+
+
+def test_append_info_goes_to_metadata(tmp_path):
+    cfg = CheckpointConfig(save_checkpoint_steps=100, append_info=["epoch_num", {"lr": 0.05, "tag": "x"}])
+    _, ckpt = _train_with_ckpt(tmp_path, 1, cfg)
+    meta = minidl.load_checkpoint_metadata(ckpt.latest_ckpt_file_name)
+    assert (meta["lr"], meta["tag"], meta["epoch_num"]) == ("0.05", "x", "1")

@@ -229,11 +229,29 @@ class Abs(Primitive):
         return (gy * get_array_module(self.x).sign(self.x),)
 
 
+_ZERO_ROW = 4096  # elements of the zero operand _relu takes in rows
+_zero_rows = {}  # dtype -> a read-only row of _ZERO_ROW zeros
+
+
+def _relu(xp, x):
+    """max(x, 0). NumPy's maximum against a scalar (a stride-0 operand) misses its SIMD loop:
+    against a contiguous row of zeros, with x taken in rows of that length, it measured 2.5x
+    faster on float32. Other sizes, layouts and CuPy take the plain call."""
+    n = _ZERO_ROW
+    if xp.__name__ != "numpy" or x.dtype.kind != "f" or x.size % n or not x.flags.c_contiguous:
+        return xp.maximum(x, 0)
+    zeros = _zero_rows.get(x.dtype)
+    if zeros is None:
+        zeros = _zero_rows[x.dtype] = xp.zeros(n, dtype=x.dtype)
+        zeros.flags.writeable = False
+    return xp.maximum(x.reshape(-1, n), zeros).reshape(x.shape)
+
+
 class ReLU(Primitive):
     """max(x, 0). Keeps only its output: the gradient mask is out > 0."""
 
     def forward(self, x):
-        self.out = get_array_module(x).maximum(x, 0)
+        self.out = _relu(get_array_module(x), x)
         return self.out
 
     def backward(self, gy):

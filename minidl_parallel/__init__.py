@@ -1,19 +1,24 @@
-"""minidl_parallel: distributed training for minidl (communicators, data and tensor parallel).
+"""minidl_parallel: distributed training for minidl (communicators, data parallel).
 
-Its communicators, DistributedGradReducer and shard() strategies arrive with their own
-issues; today the package only states the world of one process, so that scripts written
-for parallel runs import and run unchanged on a single process.
+minidl never imports this package; it plugs in through minidl's registries when ``init()``
+runs. Before ``init()`` (or without mpirun) the world is one process: ``get_rank()`` is 0
+and ``get_group_size()`` 1, so scripts written for parallel runs work unchanged.
+
+Example:
+    >>> import minidl_parallel as mp
+    >>> comm = mp.init()          # nccl on GPU, mpi under mpirun, else a world of one
+    >>> mp.get_rank(), mp.get_group_size()
+    (0, 1)
 """
+from .context import (init, release, get_rank, get_group_size, get_local_rank, get_local_rank_size,
+                      get_communicator, is_initialized, ParallelMode, set_auto_parallel_context,
+                      get_auto_parallel_context, reset_auto_parallel_context)
+from .grad_reducer import DistributedGradReducer
+from .collectives import AllReduce, AllGather, ReduceScatter, Broadcast
+from .sync_batchnorm import SyncBatchNorm
+from . import ops, nn
 
-
-def get_rank():
-    """The rank of this process: 0 in a world of one."""
-    return 0
-
-
-def get_group_size():
-    """The number of processes: 1 in a world of one."""
-    return 1
-
-
-__all__ = ["get_rank", "get_group_size"]
+__all__ = ["init", "release", "get_rank", "get_group_size", "get_local_rank", "get_local_rank_size",
+           "get_communicator", "is_initialized", "ParallelMode", "set_auto_parallel_context",
+           "get_auto_parallel_context", "reset_auto_parallel_context", "DistributedGradReducer",
+           "AllReduce", "AllGather", "ReduceScatter", "Broadcast", "SyncBatchNorm", "ops", "nn"]

@@ -33,11 +33,16 @@ _ORDER_TAG = 1
 _default = {"shards": None}
 
 
-def set_default_shards(num_shards, shard_id):
+def set_default_shards(num_shards, shard_id=None):
     """Sets the (num_shards, shard_id) that sources use when given neither; None, None clears it.
 
-    Called by the parallel package's ``init()`` with the world size and the rank.
+    Called by the parallel package's ``init()`` with the world size and the rank. ``num_shards``
+    may instead be a zero-argument callable returning (num_shards, shard_id) or None, asked at
+    each lookup (the threads backend gives every thread-rank its own shards that way).
     """
+    if callable(num_shards) and shard_id is None:
+        _default["shards"] = num_shards
+        return
     if num_shards is None and shard_id is None:
         _default["shards"] = None
         return
@@ -46,7 +51,11 @@ def set_default_shards(num_shards, shard_id):
 
 def get_default_shards():
     """The (num_shards, shard_id) pair set by :func:`set_default_shards`, or None (no sharding)."""
-    return _default["shards"]
+    shards = _default["shards"]
+    if callable(shards):
+        pair = shards()
+        return None if pair is None else _validate(*pair, "set_default_shards provider")
+    return shards
 
 
 def _is_int(v):

@@ -1,0 +1,352 @@
+"""The Communicator contract that every backend (threads, mpi, nccl, local) fulfils.
+
+A communicator joins ``size`` ranks. Every collective is *collective*: all ranks of the
+communicator call it, in the same order, with arrays of the same shape and dtype (the array
+arguments may differ in value only). A rank that calls collectives in another order, or with
+another shape, makes MPI and NCCL hang or corrupt memory; set ``MINIDL_DIST_DEBUG=1`` to have
+every collective first compare (sequence number, name, shape, dtype, arguments) across ranks
+and raise on every rank a RuntimeError that names the collective, the sequence number and
+each rank's call instead.
+
+Arrays are raw ndarrays of the backend's device (NumPy for threads/mpi/local, CuPy for nccl).
+Results are identical on every rank: reductions combine the ranks' arrays in a fixed order
+(threads: rank order) so no rank sees a different rounding than another.
+
+A backend implements only the private primitives below (``_allreduce``, ``_allgather``,
+``_reduce_scatter``, ``_bcast``, ``_alltoall``, ``_barrier``, ``_allgather_object``,
+``_split``, optionally ``_iallreduce``) on C-contiguous buffers; this base class turns axes,
+``mean``, in-place variants, validation, counting and debug checks into calls to them.
+"""
+import os
+from abc import ABC, abstractmethod
+
+REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
+
+__all__ = ["Communicator", "Request", "REDUCE_OPS", "debug_enabled"]
+
+
+def debug_enabled():
+    """True when ``MINIDL_DIST_DEBUG`` is set to a true value (1, true, yes, on)."""
+    return os.environ.get("MINIDL_DIST_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class Request:
+    """A pending non-blocking collective; ``wait()`` completes it and returns its array.
+
+    Args:
+        wait_fn: completes the communication (None when it already completed).
+        array: the array the collective writes into (returned by ``wait``).
+        finish: called once after ``wait_fn`` (copy-back, mean's division).
+    """
+
+    def __init__(self, wait_fn, array, finish=None):
+        self._wait_fn = wait_fn
+        self._array = array
+        self._finish = finish
+        self._done = False
+
+    def wait(self):
+        if not self._done:
+            if self._wait_fn is not None:
+                self._wait_fn()
+            if self._finish is not None:
+                self._finish()
+            self._done = True
+        return self._array
+
+    @property
+    def done(self):
+        return self._done
+
+
+def _check_op(op, who):
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{who}: op must be one of {REDUCE_OPS}, got {op!r}")
+
+
+def _norm_axis(axis, ndim, who):
+    if not isinstance(axis, int) or isinstance(axis, bool) or not -ndim <= axis < ndim:
+        raise ValueError(f"{who}: axis must be an int in [{-ndim}, {ndim - 1}] for an array of {ndim} "
+                         f"dimensions, got {axis!r}")
+    return axis % ndim
+
+
+def _xp(x):
+    mod = type(x).__module__
+    if mod.startswith("cupy"):
+        import cupy
+        return cupy
+    import numpy
+    return numpy
+
+
+class Communicator(ABC):
+    """A group of ranks that run collectives together; backends implement the primitives.
+
+    Attributes:
+        rank, size: this rank's index in the group and the group's size.
+        local_rank, local_size: the same among the ranks on this machine.
+        collective_count: how many collectives this rank has called on this communicator
+            (one per public call: allreduce, allreduce_, iallreduce_, allgather,
+            reduce_scatter, broadcast, alltoall, barrier), for tests that count them.
+        debug: whether every collective first checks that all ranks make the same call
+            (default: the ``MINIDL_DIST_DEBUG`` environment variable).
+    """
+
+    backend = "base"
+
+    def __init__(self, rank, size, local_rank=None, local_size=None, debug=None):
+        self._rank = int(rank)
+        self._size = int(size)
+        self._local_rank = self._rank if local_rank is None else int(local_rank)
+        self._local_size = self._size if local_size is None else int(local_size)
+        self.debug = debug_enabled() if debug is None else bool(debug)
+        self.collective_count = 0
+
+    # ---- identity -----------------------------------------------------------------------
+
+    @property
+    def rank(self):
+        return self._rank
+
+    @property
+    def size(self):
+        return self._size
+
+    @property
+    def local_rank(self):
+        return self._local_rank
+
+    @property
+    def local_size(self):
+        return self._local_size
+
+    def __repr__(self):
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+    # ---- primitives a backend implements (C-contiguous buffers, op never "mean") --------
+
+    @abstractmethod
+    def _allreduce(self, buf, op):
+        """Reduces ``buf`` over all ranks in place (op: sum, max, min or prod)."""
+
+    def _iallreduce(self, buf, op):
+        """Starts an in-place all-reduce and returns a function that waits for it.
+
+        The default completes it at once; backends with real non-blocking collectives
+        override it. Either way ranks must start non-blocking collectives in the same order.
+        """
+        self._allreduce(buf, op)
+        return None
+
+    @abstractmethod
+    def _allgather(self, x):
+        """Returns an array of shape ``(size,) + x.shape`` whose row r is rank r's x."""
+
+    @abstractmethod
+    def _reduce_scatter(self, x, op):
+        """``x`` has shape ``(size,) + s``; returns the reduction of row ``rank`` over ranks."""
+
+    @abstractmethod
+    def _bcast(self, buf, root):
+        """Overwrites ``buf`` with root's ``buf`` in place."""
+
+    @abstractmethod
+    def _alltoall(self, x):
+        """``x`` has shape ``(size,) + s``; returns y with ``y[r]`` = row ``self.rank`` of rank r's x."""
+
+    @abstractmethod
+    def _barrier(self):
+        """Returns once every rank has called it."""
+
+    @abstractmethod
+    def _allgather_object(self, obj):
+        """Returns the list of every rank's small picklable ``obj``, in rank order."""
+
+    @abstractmethod
+    def _split(self, ranks):
+        """Returns the communicator over ``ranks`` (this group's rank numbers, in that order)."""
+
+    def release(self):
+        """Frees the backend's resources; the communicator is unusable afterwards."""
+
+    # ---- the public collectives ---------------------------------------------------------
+
+    def allreduce(self, x, op="sum"):
+        """Returns a new array: the element-wise reduction of every rank's x.
+
+        Args:
+            x: array of the same shape and dtype on every rank.
+            op: "sum", "mean" (sum, then divided by size; floating dtypes only), "max",
+                "min" or "prod".
+        """
+        _check_op(op, "allreduce")
+        self._begin("allreduce", x, op=op)
+        buf = _xp(x).array(x, order="C", copy=True)
+        self._reduce_into(buf, op, "allreduce")
+        return buf
+
+    def allreduce_(self, x, op="sum"):
+        """Like :meth:`allreduce` but writes the result into x and returns x."""
+        _check_op(op, "allreduce_")
+        self._begin("allreduce_", x, op=op)
+        buf = self._contiguous(x)
+        self._reduce_into(buf, op, "allreduce_")
+        if buf is not x:
+            x[...] = buf
+        return x
+
+    def iallreduce_(self, x, op="sum"):
+        """Starts an in-place all-reduce of x and returns a :class:`Request`.
+
+        x must not be read or written until ``request.wait()`` returns (which returns x).
+        Non-blocking collectives, like blocking ones, must be started in the same order on
+        every rank.
+        """
+        _check_op(op, "iallreduce_")
+        self._begin("iallreduce_", x, op=op)
+        self._check_mean_dtype(x, op, "iallreduce_")
+        buf = self._contiguous(x)
+        wait_fn = self._iallreduce(buf, "sum" if op == "mean" else op)
+
+        def finish():
+            if op == "mean":
+                buf[...] /= self.size
+            if buf is not x:
+                x[...] = buf
+        return Request(wait_fn, x, finish)
+
+    def allgather(self, x, axis=0):
+        """Returns the concatenation along ``axis`` of every rank's x, in rank order.
+
+        x has the same shape on every rank; a 0-d x is gathered into shape (size,).
+        """
+        if x.ndim == 0:
+            x = x.reshape(1)
+        axis = _norm_axis(axis, x.ndim, "allgather")
+        self._begin("allgather", x, axis=axis)
+        xp = _xp(x)
+        gathered = self._allgather(xp.ascontiguousarray(x))
+        if axis == 0:
+            return gathered.reshape((self.size * x.shape[0],) + x.shape[1:])
+        return xp.concatenate([gathered[r] for r in range(self.size)], axis=axis)
+
+    def reduce_scatter(self, x, op="sum", axis=0):
+        """Reduces every rank's x, then returns this rank's block of it along ``axis``.
+
+        ``x.shape[axis]`` must be divisible by size; rank r gets block r, of length
+        ``x.shape[axis] // size``.
+        """
+        _check_op(op, "reduce_scatter")
+        axis = _norm_axis(axis, x.ndim, "reduce_scatter")
+        if x.shape[axis] % self.size:
+            raise ValueError(f"reduce_scatter: x.shape[{axis}] = {x.shape[axis]} must be divisible by the group "
+                             f"size {self.size} (x of shape {tuple(x.shape)})")
+        self._check_mean_dtype(x, op, "reduce_scatter")
+        self._begin("reduce_scatter", x, op=op, axis=axis)
+        blocks = self._blocks(x, axis)
+        out = self._reduce_scatter(blocks, "sum" if op == "mean" else op)
+        if op == "mean":
+            out /= self.size
+        return out
+
+    def broadcast(self, x, root=0):
+        """Returns a new array holding root's x on every rank (x has the same shape everywhere)."""
+        self._check_root(root, "broadcast")
+        self._begin("broadcast", x, root=root)
+        buf = _xp(x).array(x, order="C", copy=True)
+        self._bcast(buf, root)
+        return buf
+
+    def alltoall(self, x, split_axis=0, concat_axis=0):
+        """Splits x into size blocks along split_axis, sends block r to rank r, and concatenates
+        the blocks received (in rank order) along concat_axis.
+
+        ``x.shape[split_axis]`` must be divisible by size.
+        """
+        split_axis = _norm_axis(split_axis, x.ndim, "alltoall")
+        concat_axis = _norm_axis(concat_axis, x.ndim, "alltoall")
+        if x.shape[split_axis] % self.size:
+            raise ValueError(f"alltoall: x.shape[{split_axis}] = {x.shape[split_axis]} must be divisible by the "
+                             f"group size {self.size} (x of shape {tuple(x.shape)})")
+        self._begin("alltoall", x, split_axis=split_axis, concat_axis=concat_axis)
+        received = self._alltoall(self._blocks(x, split_axis))
+        return _xp(x).concatenate([received[r] for r in range(self.size)], axis=concat_axis)
+
+    def barrier(self):
+        """Returns once every rank of the group has called it."""
+        self._begin("barrier", None)
+        self._barrier()
+
+    def split(self, ranks):
+        """Returns the communicator over ``ranks`` (rank numbers of this group).
+
+        Only the ranks in ``ranks`` call it; ranks of disjoint groups may call it at the
+        same time with their own lists. Group rank i is ``ranks[i]``.
+        """
+        ranks = self._check_ranks(ranks)
+        if self.rank not in ranks:
+            raise ValueError(f"split: this rank ({self.rank}) is not in ranks {list(ranks)}; only members of "
+                             f"the new group call split/new_group")
+        return self._split(ranks)
+
+    def new_group(self, ranks):
+        """Alias of :meth:`split` (MindSpore/PyTorch spelling)."""
+        return self.split(ranks)
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _begin(self, name, x, **params):
+        """Counts the collective and, in debug mode, checks that every rank makes the same call."""
+        seq = self.collective_count
+        self.collective_count += 1
+        if not self.debug:
+            return
+        sig = (name, None if x is None else tuple(int(d) for d in x.shape),
+               None if x is None else str(x.dtype), tuple(sorted(params.items())))
+        calls = self._allgather_object((seq, sig))
+        if any(c != calls[0] for c in calls):
+            lines = "; ".join(f"rank {r}: #{s} {_describe(sg)}" for r, (s, sg) in enumerate(calls))
+            raise RuntimeError(f"MINIDL_DIST_DEBUG: ranks disagree at collective #{seq} ({name} on rank "
+                               f"{self.rank}): {lines}")
+
+    def _reduce_into(self, buf, op, who):
+        self._check_mean_dtype(buf, op, who)
+        self._allreduce(buf, "sum" if op == "mean" else op)
+        if op == "mean":
+            buf /= self.size
+
+    @staticmethod
+    def _check_mean_dtype(x, op, who):
+        if op == "mean" and x.dtype.kind not in "fc":
+            raise TypeError(f"{who}: op='mean' needs a floating dtype, got {x.dtype}; use op='sum' for integers")
+
+    @staticmethod
+    def _contiguous(x):
+        return x if x.flags.c_contiguous else _xp(x).ascontiguousarray(x)
+
+    def _blocks(self, x, axis):
+        """x split into size blocks along axis, stacked: shape (size,) + block shape, contiguous."""
+        xp = _xp(x)
+        shape = x.shape[:axis] + (self.size, x.shape[axis] // self.size) + x.shape[axis + 1:]
+        return xp.ascontiguousarray(xp.moveaxis(x.reshape(shape), axis, 0))
+
+    def _check_root(self, root, who):
+        if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < self.size:
+            raise ValueError(f"{who}: root must be an int in [0, {self.size - 1}], got {root!r}")
+
+    def _check_ranks(self, ranks):
+        try:
+            ranks = tuple(int(r) for r in ranks)
+        except TypeError:
+            raise TypeError(f"split: ranks must be a list of ints, got {ranks!r}") from None
+        if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.size for r in ranks):
+            raise ValueError(f"split: ranks must be distinct ints in [0, {self.size - 1}], got {list(ranks)}")
+        return ranks
+
+
+def _describe(sig):
+    name, shape, dtype, params = sig
+    args = [f"shape={shape}", f"dtype={dtype}"] if shape is not None else []
+    args += [f"{k}={v!r}" for k, v in params]
+    return f"{name}({', '.join(args)})"

@@ -1,0 +1,246 @@
+"""N ranks as N threads of one process: the MPI semantics, for tests and notebooks.
+
+Each collective is an exchange through a shared group object: every rank puts a copy of its
+contribution in its slot, waits at a barrier, computes its result from all slots, and waits
+at a second barrier (so nobody overwrites a slot another rank is still reading). Reductions
+add the slots in rank order, so every rank gets bit-identical results.
+
+A rank that raises, or returns while others wait for it in a collective, must not hang the
+rest: barriers poll the world's state and raise :class:`CollectiveAborted` then.
+
+Example:
+    >>> import numpy as np
+    >>> from minidl_parallel import get_rank
+    >>> from minidl_parallel.comm.threads import run_threads, current_communicator
+    >>> run_threads(2, lambda: current_communicator().allreduce(np.array([get_rank() + 1.0])))
+    [array([3.]), array([3.])]
+"""
+import threading
+import time
+
+import numpy
+
+from .base import Communicator
+
+__all__ = ["ThreadsCommunicator", "ThreadsWorld", "CollectiveAborted", "run_threads", "current_communicator"]
+
+_POLL_S = 0.05
+_REDUCERS = {"sum": numpy.add, "max": numpy.maximum, "min": numpy.minimum, "prod": numpy.multiply}
+
+
+class CollectiveAborted(RuntimeError):
+    """Raised in a rank's pending collective when another rank failed or left the world."""
+
+
+class ThreadsWorld:
+    """The state shared by the N thread-ranks: failure flag, finished ranks, sub-groups."""
+
+    def __init__(self, size):
+        self.size = size
+        self.failed = None  # description of the first failure, once there is one
+        self.finished = [False] * size
+        self._lock = threading.Lock()
+        self._groups = {}
+
+    def abort(self, why):
+        with self._lock:
+            if self.failed is None:
+                self.failed = why
+
+    def group(self, key, members):
+        """The shared group for ``key``, created by whichever member asks first."""
+        with self._lock:
+            if key not in self._groups:
+                self._groups[key] = _Group(self, members)
+            return self._groups[key]
+
+
+class _Group:
+    def __init__(self, world, members):
+        self.world = world
+        self.members = tuple(members)  # world ranks, in group-rank order
+        self.slots = [None] * len(members)
+        self._cond = threading.Condition()
+        self._arrived = 0
+        self._generation = 0
+
+    def wait(self, group_rank, what):
+        with self._cond:
+            gen = self._generation
+            self._arrived += 1
+            if self._arrived == len(self.members):
+                self._arrived = 0
+                self._generation += 1
+                self._cond.notify_all()
+                return
+            while self._generation == gen:
+                self._check_alive(group_rank, what)
+                self._cond.wait(_POLL_S)
+
+    def _check_alive(self, group_rank, what):
+        world = self.world
+        me = self.members[group_rank]
+        if world.failed is not None:
+            raise CollectiveAborted(f"threads backend: rank {me}: {what} aborted because {world.failed}")
+        gone = [m for m in self.members if world.finished[m]]
+        if gone:
+            world.abort(f"rank(s) {gone} returned while rank {me} waited for them in {what}")
+            raise CollectiveAborted(f"threads backend: rank {me}: {what} can never complete: rank(s) {gone} "
+                                    f"already returned (ranks called different collectives)")
+
+    def exchange(self, group_rank, value, what):
+        """Every member's ``value``, in group-rank order (call with the same ``what`` on all)."""
+        self.slots[group_rank] = value
+        self.wait(group_rank, what)
+        values = list(self.slots)
+        self.wait(group_rank, what)
+        return values
+
+
+class ThreadsCommunicator(Communicator):
+    """A communicator whose ranks are threads sharing a :class:`ThreadsWorld`."""
+
+    backend = "threads"
+
+    def __init__(self, world, group, rank, debug=None):
+        super().__init__(rank, len(group.members), debug=debug)
+        self._world = world
+        self._group = group
+        self._split_calls = {}
+
+    @property
+    def world_rank(self):
+        return self._group.members[self.rank]
+
+    def _exchange(self, value, what):
+        return self._group.exchange(self.rank, value, what)
+
+    def _allreduce(self, buf, op):
+        values = self._exchange(buf.copy(), f"allreduce(op={op!r})")
+        _check_same(values, "allreduce")
+        fn = _REDUCERS[op]
+        acc = values[0].copy()
+        for v in values[1:]:
+            fn(acc, v, out=acc)
+        buf[...] = acc
+
+    def _allgather(self, x):
+        values = self._exchange(x.copy(), "allgather")
+        _check_same(values, "allgather")
+        return numpy.stack(values)
+
+    def _reduce_scatter(self, x, op):
+        values = self._exchange(x.copy(), f"reduce_scatter(op={op!r})")
+        _check_same(values, "reduce_scatter")
+        fn = _REDUCERS[op]
+        acc = values[0][self.rank].copy()
+        for v in values[1:]:
+            fn(acc, v[self.rank], out=acc)
+        return acc
+
+    def _bcast(self, buf, root):
+        values = self._exchange(buf.copy(), f"broadcast(root={root})")
+        _check_same(values, "broadcast")
+        buf[...] = values[root]
+
+    def _alltoall(self, x):
+        values = self._exchange(x.copy(), "alltoall")
+        _check_same(values, "alltoall")
+        return numpy.stack([v[self.rank] for v in values])
+
+    def _barrier(self):
+        self._group.wait(self.rank, "barrier")
+
+    def _allgather_object(self, obj):
+        return self._exchange(obj, "debug check")
+
+    def _split(self, ranks):
+        # Members meet on the same key: the ranks and how often this rank asked for them.
+        n = self._split_calls.get(ranks, 0)
+        self._split_calls[ranks] = n + 1
+        members = [self._group.members[r] for r in ranks]
+        group = self._world.group((id(self._group), ranks, n), members)
+        return ThreadsCommunicator(self._world, group, ranks.index(self.rank), debug=self.debug)
+
+
+def _check_same(values, name):
+    # MPI would hang or read garbage on mismatched buffers; here every rank sees every slot,
+    # so all of them can raise the same error instead.
+    shapes = [(tuple(v.shape), str(v.dtype)) for v in values]
+    if any(s != shapes[0] for s in shapes):
+        detail = ", ".join(f"rank {r}: {s} {d}" for r, (s, d) in enumerate(shapes))
+        raise RuntimeError(f"threads backend: {name}: ranks passed different shapes/dtypes ({detail})")
+
+
+def current_communicator():
+    """The calling thread's communicator (after init, or inside :func:`run_threads`)."""
+    from ..context import get_communicator
+    return get_communicator()
+
+
+def run_threads(n, fn, *args, timeout=300.0):
+    """Runs ``fn(*args)`` on n threads, each a rank of a threads-backend world; returns the results.
+
+    Inside each thread ``init("threads")`` has already run, so ``get_rank()``,
+    ``get_group_size()`` and the auto-parallel context are that thread's own.
+
+    An exception in any rank aborts the others' pending collectives and is re-raised here,
+    with "rank r of n" prefixed to its message (the first real failure wins over the
+    :class:`CollectiveAborted` it caused elsewhere).
+
+    Args:
+        n: number of ranks (>= 1).
+        fn: the per-rank function.
+        timeout: seconds to wait for all ranks before raising TimeoutError (the ranks
+            still running are aborted at their next collective).
+
+    Returns:
+        ``[fn result on rank 0, ..., on rank n - 1]``.
+    """
+    from .. import context
+
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"run_threads: n must be an int >= 1, got {n!r}")
+    world = ThreadsWorld(n)
+    root = world.group(("world",), range(n))
+    results = [None] * n
+    errors = {}
+    order = []
+
+    def body(rank):
+        comm = ThreadsCommunicator(world, root, rank)
+        context._bind_thread(comm)
+        try:
+            results[rank] = fn(*args)
+        except BaseException as exc:  # noqa: B902 - re-raised in the caller
+            errors[rank] = exc
+            order.append(rank)
+            world.abort(f"rank {rank} raised {type(exc).__name__}: {exc}")
+        finally:
+            world.finished[rank] = True
+            context._unbind_thread()
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"minidl-rank-{r}", daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    alive = [r for r, t in enumerate(threads) if t.is_alive()]
+    if alive:
+        world.abort(f"run_threads timed out after {timeout} s")
+        raise TimeoutError(f"run_threads: ranks {alive} of {n} still running after {timeout} s")
+    if errors:
+        real = [r for r in order if not isinstance(errors[r], CollectiveAborted)]
+        rank = (real or order)[0]
+        raise _with_rank(errors[rank], rank, n)
+    return results
+
+
+def _with_rank(exc, rank, n):
+    prefix = f"rank {rank} of {n}: "
+    if exc.args and isinstance(exc.args[0], str) and not isinstance(exc, KeyError):
+        exc.args = (prefix + exc.args[0],) + exc.args[1:]
+    else:
+        exc.add_note(prefix + "raised in run_threads")
+    return exc

@@ -17,11 +17,7 @@ def main():
     comm = mp.init()
     xp = minidl.backend.default_xp() if comm.backend == "nccl" else np
     x = xp.full((1, 1), float(mp.get_rank()), dtype=np.float32)
-    try:
-        from minidl_parallel.collectives import AllGather
-        out = AllGather()(minidl.Tensor(x)).data
-    except ImportError:
-        out = comm.allgather(x)
+    out = mp.ops.AllGather()(minidl.Tensor(x)).data
     if mp.get_rank() == 0:
         print(minidl.backend.to_numpy(out))
     mp.release()

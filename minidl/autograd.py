@@ -28,7 +28,7 @@ def _toposort(root):
     return order
 
 
-def run_backward(root, gy, targets=None):
+def run_backward(root, gy, targets=None, on_leaf_ready=None):
     """Propagates gy from root and returns {id(tensor): gradient array}.
 
     Args:
@@ -36,6 +36,9 @@ def run_backward(root, gy, targets=None):
         gy: ndarray of root's shape.
         targets: tensors whose gradients are wanted; None means every leaf that requires
             grad (those are returned). Gradients of intermediates are dropped once used.
+        on_leaf_ready: optional ``fn(tensor, grad)`` called as soon as a wanted leaf's
+            gradient is final, while the rest of backward still runs (data-parallel
+            reducers start their all-reduce buckets from here).
     """
     grads = {id(root): gy}
     owned = set()  # ids whose gradient array we allocated, so += may write into it
@@ -48,7 +51,12 @@ def run_backward(root, gy, targets=None):
         node = t._node
         if node is None:
             if t.requires_grad and (wanted is None or id(t) in wanted):
+                # Reversed topological order visits a leaf after every op that uses it,
+                # so its gradient is complete here.
+                g = _owned_array(g)
                 leaves[id(t)] = (t, g)
+                if on_leaf_ready is not None:
+                    on_leaf_ready(t, g)
             continue
         if wanted is None or id(t) not in wanted:
             del grads[id(t)]
@@ -70,7 +78,6 @@ def run_backward(root, gy, targets=None):
             else:
                 grads[key] = prev + gx
                 owned.add(key)
-    leaves = {k: (t, _owned_array(g)) for k, (t, g) in leaves.items()}
     result = {k: g for k, (t, g) in leaves.items()}
     if wanted is not None:
         for k in wanted:
@@ -141,7 +148,7 @@ def _normalise_positions(grad_position, n_args, who):
     return tuple(p % n_args for p in positions)
 
 
-def value_and_grad(fn, grad_position=None, weights=None, has_aux=False):
+def value_and_grad(fn, grad_position=None, weights=None, has_aux=False, on_grad_ready=None):
     """Returns a function computing ``fn(*args)`` and its gradients, as MindSpore's.
 
     Args:
@@ -150,6 +157,9 @@ def value_and_grad(fn, grad_position=None, weights=None, has_aux=False):
             None means 0 when weights is None, else no inputs.
         weights: a Parameter, or a list/tuple of them (``net.trainable_params()``).
         has_aux: fn returns (loss, aux...); only loss is differentiated.
+        on_grad_ready: optional ``fn(index, grad_tensor)`` called during backward as soon as
+            the gradient of ``weights[index]`` is final (an extension over MindSpore: it lets
+            a data-parallel reducer overlap communication with the rest of backward).
 
     Returns:
         ``grad_fn(*args) -> (value, grads)``; grads is for the inputs, the weights, or
@@ -189,7 +199,11 @@ def value_and_grad(fn, grad_position=None, weights=None, has_aux=False):
         targets = [args[p] for p in positions] + (weight_list or [])
         if loss.requires_grad:
             gy = _root_gradient(loss, None, "value_and_grad")
-            grads, _ = run_backward(loss, gy, targets=targets)
+            ready = None
+            if on_grad_ready is not None and weight_list:
+                index_of = {id(w): i for i, w in enumerate(weight_list)}
+                ready = lambda t, g: on_grad_ready(index_of[id(t)], Tensor._wrap(g)) if id(t) in index_of else None
+            grads, _ = run_backward(loss, gy, targets=targets, on_leaf_ready=ready)
         else:
             grads = {}
         xp_of = lambda t: t.data

@@ -120,3 +120,20 @@ def test_value_and_grad_errors():
         value_and_grad(lambda x: ops.reshape(x, ()), has_aux=True)(Tensor(np.ones(1)))
     with pytest.raises(TypeError, match="weights must be Parameters"):
         value_and_grad(lambda x: x, None, [1.0])
+
+
+def test_on_grad_ready_fires_once_per_weight_with_its_final_gradient():
+    w1 = Parameter(np.array([[2.0]]), name="w1")
+    w2 = Parameter(np.array([[3.0]]), name="w2")
+    order = []
+
+    def forward(x):
+        h = ops.matmul(x, w1)
+        return (ops.matmul(h, w2) + ops.matmul(x, w1)).sum()  # w1 is used twice
+
+    grad_fn = value_and_grad(forward, None, [w1, w2],
+                             on_grad_ready=lambda i, g: order.append((i, g.asnumpy().item())))
+    _, (g1, g2) = grad_fn(Tensor(np.array([[1.0]])))
+    # w2 is produced later in forward, so its gradient is final first; w1's only once both uses are in.
+    assert order == [(1, 2.0), (0, 4.0)]
+    assert (g1.item(), g2.item()) == (4.0, 2.0)

@@ -15,7 +15,7 @@ view of gx, measured 3x slower than these kh*kw strided assignments, for the sam
 """
 from ..backend import get_array_module
 from ..tensor import is_grad_enabled
-from .conv import _pad_mode, _pair, _window_axis
+from .im2col import _pad_mode, _pair, _window_axis
 from .primitive import Primitive
 
 _PAD_MODES = ("valid", "same")

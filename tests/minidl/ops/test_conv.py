@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 import minidl
 from minidl import ops, Tensor
-from minidl.ops import conv as conv_module
+from minidl.ops import im2col as im2col_module
 from minidl.testing import check_op
 from minidl.testing.strategies import arrays
 
@@ -85,7 +85,7 @@ def test_conv2d_in_chunks_of_images(case, n):
     reps = -(-n // case["x"].shape[0])
     case = dict(case, x=np.concatenate([case["x"]] * reps)[:n])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(conv_module, "_images_per_chunk", lambda xp, n, nbytes: 2)
+        mp.setattr(im2col_module, "_images_per_chunk", lambda xp, n, nbytes: 2)
         run_case(case)
 
 
@@ -101,7 +101,7 @@ def test_short_last_chunk(pad_mode, stride):
     pad = 1 if pad_mode == "pad" else 0
     op = ops.Conv2D(3, (3, 2), pad_mode=pad_mode, pad=pad, stride=stride)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(conv_module, "_images_per_chunk", lambda xp, n, nbytes: 2)
+        mp.setattr(im2col_module, "_images_per_chunk", lambda xp, n, nbytes: 2)
         check_op(op, [x, w], reference=lambda x, w: ref_conv(x, w, (stride, stride), (pad,) * 4))
 
 

@@ -26,7 +26,7 @@ import numpy
 
 from ..backend import to_numpy
 from ..tensor import Tensor
-from .prefetch import Prefetcher
+from .iterators import DatasetIterator, EpochIterator
 
 __all__ = ["Dataset", "MapDataset", "ShuffleDataset", "BatchDataset", "RepeatDataset", "DatasetIterator"]
 
@@ -206,7 +206,7 @@ class Dataset:
             raise ValueError(f"epoch_iterator: epoch must be an int >= 0, got {epoch!r}")
         if not _is_int(skip_batches) or skip_batches < 0:
             raise ValueError(f"epoch_iterator: skip_batches must be an int >= 0, got {skip_batches!r}")
-        return _EpochIterator(self, int(epoch), int(skip_batches), output_numpy)
+        return EpochIterator(self, int(epoch), int(skip_batches), output_numpy)
 
     def create_tuple_iterator(self, columns=None, num_epochs=-1, output_numpy=False, do_copy=True):
         """An iterator of rows as tuples; each pass (for loop) over it is the dataset's next epoch.
@@ -235,92 +235,6 @@ class Dataset:
     def __iter__(self):
         """One epoch (the dataset's next one) of tuples of Tensors."""
         return self.create_tuple_iterator(num_epochs=1)
-
-
-class _EpochIterator:
-    """One epoch's rows, loaded by a Prefetcher, converted to Tensors (or left as NumPy)."""
-
-    def __init__(self, dataset, epoch, skip, output_numpy, columns=None, names=None):
-        self._rows = Prefetcher(dataset._produce(epoch, skip), name=f"minidl-prefetch-{type(dataset).__name__}")
-        self._output_numpy = output_numpy
-        self._columns = columns
-        self._names = names
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        row = next(self._rows)
-        if self._columns is not None:
-            row = tuple(row[i] for i in self._columns)
-        if not self._output_numpy:
-            # Tensors are made here, in the consumer thread, which owns the current GPU device.
-            row = tuple(Tensor(a) for a in row)
-        return dict(zip(self._names, row)) if self._names is not None else tuple(row)
-
-    def close(self):
-        """Stops loading (the prefetch thread exits)."""
-        self._rows.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-
-class DatasetIterator:
-    """What ``create_tuple_iterator``/``create_dict_iterator`` return: each pass is one epoch.
-
-    The epoch numbers come from the dataset's counter, which every pass over any of its
-    iterators (and every plain ``for row in dataset``) advances, so each pass reshuffles.
-    """
-
-    def __init__(self, dataset, num_epochs=-1, output_numpy=False, as_dict=False, columns=None):
-        if not _is_int(num_epochs) or not (num_epochs == -1 or num_epochs >= 1):
-            raise ValueError(f"create_iterator: num_epochs must be -1 (any number) or an int >= 1, got {num_epochs!r}")
-        self._dataset = dataset
-        self._num_epochs = num_epochs
-        self._output_numpy = output_numpy
-        self._names = dataset.get_col_names() if as_dict else None
-        self._columns = columns
-        self._started = 0
-        self._current = None
-        self._closed = False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self._current is None:
-            if self._closed or self._started == self._num_epochs:
-                raise StopIteration
-            self._started += 1
-            self._current = _EpochIterator(self._dataset, self._dataset._claim_epoch(), 0, self._output_numpy,
-                                           self._columns, self._names)
-        try:
-            return next(self._current)
-        except BaseException:
-            self._current.close()
-            self._current = None
-            raise
-
-    def stop(self):
-        """Stops loading; later passes yield nothing (MindSpore's ``Iterator.stop``)."""
-        self._closed = True
-        if self._current is not None:
-            self._current.close()
-            self._current = None
-
-    close = stop
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-        return False
 
 
 class MapDataset(Dataset):

@@ -3,11 +3,21 @@
     python examples/resnet_cifar.py                                   # synthetic data, ~1 minute on a laptop CPU
     python examples/resnet_cifar.py --data-path ~/data/cifar-10-batches-bin --epochs 30 --batch-size 128
     python examples/resnet_cifar.py --arch resnet18 --device GPU --ckpt-dir ckpt --resume-from ckpt/resnet-3_390.ckpt
+    mpirun -n 8 python examples/resnet_cifar.py                       # data parallel: 8 processes (MPI or NCCL)
 
 With --data-path it reads the official CIFAR-10 binary release (the unpacked
 `cifar-10-batches-bin/` folder), trains with random crops and flips, and evaluates on the
 test batch after every epoch. Without it, it trains on a synthetic, learnable CIFAR-shaped
 dataset (each class a fixed random image plus noise), so the loss visibly falls at once.
+
+Launched by mpirun (``--parallel auto``, the default), it calls ``minidl_parallel.init()``
+(NCCL on GPUs, MPI on CPUs) and trains data-parallel: gradients averaged over ranks
+(``gradients_mean=True``), every rank starting from rank 0's parameters
+(``parameter_broadcast=True``), each rank reading its own shard of every epoch, so
+``--batch-size`` is per rank and the global batch is ``batch-size x ranks``. Every rank
+prints its own local loss, as MindSpore does. The ResNets keep plain BatchNorm2d, whose
+statistics stay local to each rank (as in MindSpore and PyTorch); for exactly the
+single-process result on the global batch, use ``minidl_parallel.nn.SyncBatchNorm``.
 """
 import argparse
 
@@ -37,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-dir", help="save a checkpoint every epoch into this folder")
     p.add_argument("--resume-from", help="a checkpoint written by --ckpt-dir to continue from")
     p.add_argument("--log-file", help="write one JSON line per step (plot with python -m minidl.plot)")
+    p.add_argument("--parallel", choices=["auto", "none"], default="auto",
+                   help="auto: data parallel when launched by mpirun (needs minidl_parallel); none: never")
     args = p.parse_args(argv)
     for name in ("epochs", "batch_size", "num_samples"):
         if getattr(args, name) <= 0:
@@ -68,15 +80,36 @@ def synthetic_dataset(num_samples, batch_size, seed, num_classes=10):
     return NumpySlicesDataset(data, column_names=["image", "label"], shuffle=True).batch(batch_size, drop_remainder=True)
 
 
+def setup_parallel(mode):
+    """Under mpirun (mode auto): joins the world and turns on data parallelism; returns (rank, size)."""
+    if mode == "none":
+        return 0, 1
+    try:
+        import minidl_parallel as mp
+        from minidl_parallel.context import launched_under_mpi
+    except ImportError:
+        return 0, 1
+    if not launched_under_mpi():
+        return 0, 1
+    mp.init()
+    # Before the Model and the datasets exist: they pick up the reducer and the shards then.
+    mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+                                 parameter_broadcast=True)
+    return mp.get_rank(), mp.get_group_size()
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.device:
+        minidl.set_context(device_target=args.device)  # before init: it picks nccl on GPU
+    rank, size = setup_parallel(args.parallel)
+    if size > 1:
+        print(f"rank {rank} of {size}: data parallel, global batch {args.batch_size * size}", flush=True)
     if args.data_path:
         print(f"minidl ResNet example: training {args.arch} on CIFAR-10 from {args.data_path}", flush=True)
     else:
         print(f"minidl ResNet example: no --data-path given, training {args.arch} on a synthetic, learnable "
               f"CIFAR-shaped dataset ({args.num_samples} images of 3x32x32, 10 classes)", flush=True)
-    if args.device:
-        minidl.set_context(device_target=args.device)
     minidl.set_seed(args.seed)  # before the datasets: their shuffles and augmentations follow it
     if args.data_path:
         train_ds, test_ds = cifar_datasets(args.data_path, args.batch_size)

@@ -22,9 +22,12 @@ def _toposort(root):
         stack.append((t, True))
         node = t._node
         if node is not None:
-            for _, parent in node.inputs:
-                if id(parent) not in seen:
-                    stack.append((parent, False))
+            # Leaves go under the op parents on the stack, so each is appended after every
+            # chain below it: in the reversed loop it comes right after its last consumer,
+            # and on_leaf_ready fires while the rest of backward still runs.
+            parents = [p for _, p in node.inputs if id(p) not in seen]
+            for parent in sorted(parents, key=lambda p: p._node is not None):
+                stack.append((parent, False))
     return order
 
 

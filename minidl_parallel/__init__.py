@@ -12,7 +12,7 @@ Example:
 """
 from .context import (init, release, get_rank, get_group_size, get_local_rank, get_local_rank_size,
                       get_communicator, is_initialized, ParallelMode, set_auto_parallel_context,
-                      get_auto_parallel_context, reset_auto_parallel_context)
+                      get_auto_parallel_context, reset_auto_parallel_context, launched_under_mpi)
 from .grad_reducer import DistributedGradReducer
 from .collectives import AllReduce, AllGather, ReduceScatter, Broadcast
 from .sync_batchnorm import SyncBatchNorm
@@ -20,5 +20,5 @@ from . import ops, nn
 
 __all__ = ["init", "release", "get_rank", "get_group_size", "get_local_rank", "get_local_rank_size",
            "get_communicator", "is_initialized", "ParallelMode", "set_auto_parallel_context",
-           "get_auto_parallel_context", "reset_auto_parallel_context", "DistributedGradReducer",
+           "get_auto_parallel_context", "reset_auto_parallel_context", "launched_under_mpi", "DistributedGradReducer",
            "AllReduce", "AllGather", "ReduceScatter", "Broadcast", "SyncBatchNorm", "ops", "nn"]

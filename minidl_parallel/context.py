@@ -21,7 +21,7 @@ import threading
 import traceback
 
 __all__ = ["init", "release", "get_rank", "get_group_size", "get_local_rank", "get_local_rank_size",
-           "get_communicator", "is_initialized", "ParallelMode", "set_auto_parallel_context",
+           "get_communicator", "is_initialized", "launched_under_mpi", "ParallelMode", "set_auto_parallel_context",
            "get_auto_parallel_context", "reset_auto_parallel_context"]
 
 
@@ -83,6 +83,7 @@ def _state():
 def _bind_thread(comm):
     """Gives the calling thread its own context around ``comm`` (used by run_threads)."""
     _tls.state = _State(comm, "threads")
+    _register_rank_provider()
     _register_data_parallel()
 
 
@@ -91,6 +92,11 @@ def _unbind_thread():
 
 
 # ---- init / release ---------------------------------------------------------------------
+
+def launched_under_mpi():
+    """True when this process is one of several started by mpirun/mpiexec (before any init)."""
+    return _under_mpirun()
+
 
 def _under_mpirun():
     if any(int(os.environ.get(k, "1") or 1) > 1 for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")):
@@ -132,6 +138,7 @@ def init(backend_name=None):
     if name in ("mpi", "nccl"):
         _install_except_hook(st.comm)
         _limit_blas_threads(st.comm.local_size)
+    _register_rank_provider()
     _register_data_parallel()
     return st.comm
 
@@ -228,13 +235,21 @@ def _grad_reducer_factory(parameters):
     if not _data_parallel_active():
         return None
     from .grad_reducer import DistributedGradReducer
-    return DistributedGradReducer(parameters, mean=get_auto_parallel_context("gradients_mean"))
+    return DistributedGradReducer(parameters, mean=get_auto_parallel_context("gradients_mean"),
+                                  parameter_broadcast=get_auto_parallel_context("parameter_broadcast"))
 
 
 def _shards_provider():
     if not _data_parallel_active():
         return None
     return get_group_size(), get_rank()
+
+
+def _register_rank_provider():
+    # LossMonitor(rank0_only=True) asks minidl.train for the rank; get_rank reads the calling
+    # thread's context, so one registration serves every thread-rank too.
+    from minidl.train import callbacks
+    callbacks.set_rank_provider(get_rank)
 
 
 def _register_data_parallel():

@@ -20,8 +20,15 @@ Three ways to run it:
 What actually overlaps depends on the backend's ``iallreduce_``: mpi (``Iallreduce``) and
 nccl (a side stream) return at once and progress in the background; threads and local
 complete the reduction inside the call, so there the three ways give the same result with no
-overlap. ``ready`` needs a caller that sees each gradient as backward produces it: minidl's
-``value_and_grad`` returns them all at the end, so ``Model`` uses the blocking call.
+overlap. ``ready`` needs a caller that sees each gradient as backward produces it:
+``Model`` passes ``value_and_grad(..., on_grad_ready=reducer.ready)`` and calls ``finish()``
+before the optimizer.
+
+``broadcast_parameters(tensors)`` overwrites tensors with rank 0's values, packed into the
+same kind of fused per-dtype buffers (one broadcast per buffer). ``Model`` calls it at the
+start of training when ``parameter_broadcast`` is True (set from
+``set_auto_parallel_context(parameter_broadcast=True)``), with the network's parameters and
+the optimizer's state, so every rank starts from rank 0's model even after a resume.
 
 A parameter whose gradient is None (not reached by the loss) counts as zeros: its slot in the
 bucket is zero-filled, so every rank still runs the same collectives, and the returned
@@ -64,13 +71,16 @@ class DistributedGradReducer:
         degree: the divisor for the mean; default the group size.
         fusion_bytes: the largest bucket in bytes (a larger gradient gets a bucket of its own).
         comm: the Communicator; None uses the context's world, looked up when first used.
+        parameter_broadcast: tells ``Model`` to call :meth:`broadcast_parameters` at the start
+            of training.
 
     Example:
         >>> reducer = DistributedGradReducer(net.trainable_params(), mean=True)
         >>> grads = reducer(grads)
     """
 
-    def __init__(self, parameters, mean=True, degree=None, fusion_bytes=25 * 1024 * 1024, comm=None):
+    def __init__(self, parameters, mean=True, degree=None, fusion_bytes=25 * 1024 * 1024, comm=None,
+                 parameter_broadcast=False):
         self.parameters = tuple(parameters)
         for i, p in enumerate(self.parameters):
             if not hasattr(p, "shape") or not hasattr(p, "dtype"):
@@ -81,6 +91,9 @@ class DistributedGradReducer:
             raise ValueError(f"{_WHO}: degree must be a positive int or None (the group size), got {degree!r}")
         if isinstance(fusion_bytes, bool) or not isinstance(fusion_bytes, int) or fusion_bytes < 1:
             raise ValueError(f"{_WHO}: fusion_bytes must be a positive int, got {fusion_bytes!r}")
+        if not isinstance(parameter_broadcast, bool):
+            raise TypeError(f"{_WHO}: parameter_broadcast must be a bool, got {parameter_broadcast!r}")
+        self.parameter_broadcast = parameter_broadcast
         self.mean = mean
         self._degree = degree
         self.fusion_bytes = fusion_bytes
@@ -176,6 +189,48 @@ class DistributedGradReducer:
             bucket.buffer = None  # the returned gradients are views of it
         self._pending = None
         return tuple(out)
+
+    def broadcast_parameters(self, tensors, root=0):
+        """Overwrites every tensor's data with ``root``'s, in fused buffers; returns the count of broadcasts.
+
+        Args:
+            tensors: Parameters (or Tensors) in the same order and shapes on every rank.
+            root: the rank whose values win.
+        """
+        tensors = list(tensors)
+        for i, t in enumerate(tensors):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{_WHO}.broadcast_parameters: tensors[{i}] must be a Tensor, got {type(t).__name__}")
+        comm = self.comm
+        if comm.size == 1 or not tensors:
+            return 0
+        groups = {}
+        for t in tensors:
+            groups.setdefault((str(t.data.dtype), type(t.data).__module__), []).append(t)
+        count = 0
+        for members in groups.values():
+            chunk, nbytes = [], 0
+            for t in members + [None]:
+                if t is None or (chunk and nbytes + t.data.nbytes > self.fusion_bytes):
+                    self._broadcast_chunk(comm, chunk, root)
+                    count += 1
+                    chunk, nbytes = [], 0
+                if t is not None:
+                    chunk.append(t)
+                    nbytes += t.data.nbytes
+        return count
+
+    @staticmethod
+    def _broadcast_chunk(comm, chunk, root):
+        xp = get_array_module(chunk[0].data)
+        buf = xp.concatenate([xp.ravel(t.data) for t in chunk])
+        buf = comm.broadcast(buf, root=root)
+        off = 0
+        for t in chunk:
+            n = t.data.size
+            # In place, so views held elsewhere (optimizer state, the net's layers) see rank 0's values.
+            t.data[...] = buf[off:off + n].reshape(t.data.shape)
+            off += n
 
     # ---- helpers ------------------------------------------------------------------------
 

@@ -27,7 +27,29 @@ import numpy
 
 from ..tensor import Tensor
 
-__all__ = ["Callback", "RunContext", "CallbackParam", "CallbackList", "LossMonitor", "TimeMonitor", "loss_value"]
+__all__ = ["Callback", "RunContext", "CallbackParam", "CallbackList", "LossMonitor", "TimeMonitor", "loss_value",
+           "set_rank_provider", "get_rank_provider"]
+
+_rank_provider = {"fn": None}
+
+
+def set_rank_provider(fn):
+    """Registers how callbacks learn this process's data-parallel rank (``LossMonitor(rank0_only=True)``).
+
+    ``minidl_parallel.init`` registers its ``get_rank``; minidl itself never imports it, so
+    without a registration every process counts as rank 0.
+
+    Args:
+        fn: a zero-argument callable returning the rank (an int), or None to unregister.
+    """
+    if fn is not None and not callable(fn):
+        raise TypeError(f"set_rank_provider: fn must be a zero-argument callable or None, got {type(fn).__name__}")
+    _rank_provider["fn"] = fn
+
+
+def get_rank_provider():
+    """The function registered by :func:`set_rank_provider`; by default one returning 0."""
+    return _rank_provider["fn"] or (lambda: 0)
 
 
 class Callback:
@@ -211,17 +233,29 @@ class LossMonitor(Callback):
     """Prints ``epoch: E step: S, loss is L`` every ``per_print_times`` steps (S: step within
     the epoch), and the evaluation metrics at an epoch's end when ``Model.fit`` computed them.
 
+    In data-parallel training every rank prints its own (local) loss, unprefixed, as in
+    MindSpore; ``rank0_only=True`` keeps only rank 0's lines (the rank comes from the
+    provider that ``minidl_parallel.init`` registers with :func:`set_rank_provider`). The
+    NaN/inf check runs on every rank either way.
+
     Args:
         per_print_times: print every this many steps; 0 prints nothing.
+        rank0_only: print only on rank 0 of the data-parallel world.
+
+    Example:
+        >>> model.train(2, ds, callbacks=[LossMonitor(per_print_times=10, rank0_only=True)])
 
     Raises:
         ValueError: at a step whose loss is NaN or infinite (training stops).
     """
 
-    def __init__(self, per_print_times=1):
+    def __init__(self, per_print_times=1, rank0_only=False):
         super().__init__()
         if isinstance(per_print_times, bool) or not isinstance(per_print_times, int) or per_print_times < 0:
             raise ValueError(f"LossMonitor: per_print_times must be an int >= 0, got {per_print_times!r}")
+        if not isinstance(rank0_only, bool):
+            raise TypeError(f"LossMonitor: rank0_only must be True or False, got {rank0_only!r}")
+        self.rank0_only = rank0_only
         self._per_print_times = per_print_times
         self._last_print_time = 0
 
@@ -239,13 +273,18 @@ class LossMonitor(Callback):
                              f"Invalid loss {str(loss)}, terminating training.")
         if self._per_print_times and cb_params.cur_step_num - self._last_print_time >= self._per_print_times:
             self._last_print_time = cb_params.cur_step_num
-            print(f"epoch: {cb_params.cur_epoch_num} step: {cur_step_in_epoch}, loss is {str(loss)}", flush=True)
+            if self._prints():
+                print(f"epoch: {cb_params.cur_epoch_num} step: {cur_step_in_epoch}, loss is {str(loss)}", flush=True)
 
     def on_train_epoch_end(self, run_context):
         cb_params = run_context.original_args()
         metrics = cb_params.get("metrics")
-        if metrics:
+        if metrics and self._prints():
             print(f"Eval result: epoch {cb_params.cur_epoch_num}, metrics: {metrics}", flush=True)
+
+
+    def _prints(self):
+        return not self.rank0_only or get_rank_provider()() == 0
 
 
 class TimeMonitor(Callback):

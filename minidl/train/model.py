@@ -12,6 +12,17 @@ otherwise the factory registered with ``set_default_grad_reducer`` (which a para
 context's ``init()`` calls; minidl itself never does) makes it from the optimizer's
 parameters, and with neither the gradients pass unchanged.
 
+Two optional parts of a reducer's interface are used when present:
+- ``ready(index, grad)`` and ``finish()``: the step hands each gradient to ``ready`` the
+  moment backward finalises it (``value_and_grad(on_grad_ready=...)``), so a reducer can
+  start all-reducing the last layers' buckets while backward still runs on the first
+  ones; ``finish()`` then returns the reduced gradients for the optimizer. Without them the
+  reducer is called once with every gradient after backward.
+- ``parameter_broadcast`` (True) and ``broadcast_parameters(tensors)``: at the start of
+  every ``train``/``fit`` (after ``resume_from`` is restored) the network's parameters and
+  the optimizer's state are overwritten with rank 0's, so all ranks start alike
+  (``set_auto_parallel_context(parameter_broadcast=True)`` in minidl_parallel).
+
 Example:
     >>> model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
     ...               nn.Momentum(net.trainable_params(), 0.1, 0.9), metrics={"accuracy"})
@@ -187,15 +198,49 @@ class Model:
                 loss = scalar(loss_fn(logits, label), "loss_fn", "use a loss with reduction='mean' or 'sum'")
                 return loss, logits
 
-        grad_fn = value_and_grad(forward, None, self._optimizer.parameters, has_aux=True)
+        reducer = self.grad_reducer
+        if not (callable(getattr(reducer, "ready", None)) and callable(getattr(reducer, "finish", None))):
+            grad_fn = value_and_grad(forward, None, self._optimizer.parameters, has_aux=True)
 
-        def step(row):
-            (loss, _), grads = grad_fn(*row)
-            if self.grad_reducer is not None:
-                grads = self.grad_reducer(grads)
+            def step(row):
+                (loss, _), grads = grad_fn(*row)
+                if reducer is not None:
+                    grads = reducer(grads)
+                self._optimizer(grads)
+                return loss.detach()
+            return step
+
+        fired = []
+
+        def on_grad_ready(index, grad):
+            fired.append(index)
+            reducer.ready(index, grad)
+
+        overlapped_fn = value_and_grad(forward, None, self._optimizer.parameters, has_aux=True,
+                                       on_grad_ready=on_grad_ready)
+
+        def overlapped_step(row):
+            fired.clear()
+            (loss, _), grads = overlapped_fn(*row)
+            # A loss that reaches no parameter fires nothing: reduce the (zero) gradients as a whole
+            # so every rank still runs the same collectives.
+            grads = reducer.finish() if fired else reducer(grads)
             self._optimizer(grads)
             return loss.detach()
-        return step
+        return overlapped_step
+
+    def _broadcast_parameters(self):
+        reducer = self.grad_reducer
+        if not getattr(reducer, "parameter_broadcast", False):
+            return
+        broadcast = getattr(reducer, "broadcast_parameters", None)
+        if not callable(broadcast):
+            raise TypeError(f"Model.train: the grad reducer asks for parameter_broadcast but has no "
+                            f"broadcast_parameters(tensors) method ({type(reducer).__name__})")
+        tensors = [p for _, p in self._network.parameters_and_names()]
+        if self._optimizer is not None:
+            tensors += [p for _, p in self._optimizer.parameters_and_names()]
+        broadcast(tensors)
 
     # ---- training ------------------------------------------------------------------------------
 
@@ -256,6 +301,7 @@ class Model:
                                  f"epoch, but train_dataset has {batch_num}; resume with the same dataset, batch "
                                  f"size and sharding")
             start_epoch, skip, global_step = pos.epoch, pos.skip_batches, pos.global_step
+        self._broadcast_parameters()
 
         cb_params = CallbackParam(
             train_network=self._network, network=self._network, optimizer=self._optimizer, loss_fn=self._loss_fn,

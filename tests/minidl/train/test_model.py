@@ -272,3 +272,46 @@ def test_stop_request_ends_training_after_the_step():
     Model(net, ce_loss(), opt).train(5, slices((x, y), ["x", "y"], 4, shuffle=True), callbacks=StopAt(6))
     assert opt.global_step == 6
     assert threading.active_count() == threads  # the dataset's prefetch thread was closed mid-epoch
+
+
+class _ReadyReducer:
+    """Records ready/finish calls; finish returns the gradients doubled, in parameter order."""
+
+    def __init__(self, n, parameter_broadcast=False):
+        self.n, self.log, self.given = n, [], {}
+        self.parameter_broadcast = parameter_broadcast
+        self.broadcasts = []
+
+    def ready(self, index, grad):
+        self.log.append(index)
+        self.given[index] = grad
+
+    def finish(self):
+        out = tuple(Tensor(self.given[i].asnumpy() * 2) for i in range(self.n))
+        self.given = {}
+        self.log.append("finish")
+        return out
+
+    def __call__(self, grads):
+        raise AssertionError("a reducer with ready/finish is not called whole")
+
+    def broadcast_parameters(self, tensors):
+        self.broadcasts.append(len(tensors))
+
+
+def test_reducer_with_ready_and_finish_gets_each_gradient_during_backward():
+    x, y = blobs(n=8)
+    net, twin = mlp(), mlp()
+    for p, q in zip(net.get_parameters(), twin.get_parameters()):
+        q.set_data(p.data.copy())
+    opt = momentum(net)
+    reducer = _ReadyReducer(len(opt.parameters), parameter_broadcast=True)
+    Model(net, ce_loss(), opt, grad_reducer=reducer).train(1, slices((x, y), ["x", "y"], 4))
+    per_step = sorted(range(len(opt.parameters))) + ["finish"]
+    assert sorted(reducer.log[:4]) == per_step[:4] and reducer.log[4] == "finish" and len(reducer.log) == 10
+    assert reducer.broadcasts == [4 + 1 + 4]  # parameters, global_step, moments
+    # Same as a blocking reducer that doubles the gradients.
+    double = lambda grads: tuple(Tensor(g.asnumpy() * 2) for g in grads)
+    Model(twin, ce_loss(), momentum(twin), grad_reducer=double).train(1, slices((x, y), ["x", "y"], 4))
+    for a, b in zip(_params(net), _params(twin)):
+        np.testing.assert_array_equal(a, b)

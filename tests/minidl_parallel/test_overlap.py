@@ -52,12 +52,16 @@ def _train(overlap, log, data, label, init):
         p.set_data(init[name].copy())
     opt = nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)
     reducer = DistributedGradReducer(opt.parameters, mean=True, fusion_bytes=8 * 8)  # several buckets
-    launch = comm.iallreduce_
+    launch, launch_blocking = comm.iallreduce_, comm.allreduce_
 
     def spy(x, op="sum"):
         log.append("bucket started")
         return launch(x, op)
-    comm.iallreduce_ = spy
+
+    def spy_blocking(x, op="sum"):  # the blocking path (reducer.__call__) takes allreduce_
+        log.append("bucket started")
+        return launch_blocking(x, op)
+    comm.iallreduce_, comm.allreduce_ = spy, spy_blocking
     # A plain callable hides ready/finish, which forces Model's blocking path.
     model = minidl.Model(net, nn.MSELoss(), opt, grad_reducer=reducer if overlap else (lambda g: reducer(g)))
     part = slice(comm.rank, None, N)
@@ -66,7 +70,7 @@ def _train(overlap, log, data, label, init):
     try:
         model.train(1, ds, progress=False)
     finally:
-        del comm.iallreduce_
+        del comm.iallreduce_, comm.allreduce_
     return ({n: p.data.copy() for n, p in net.parameters_and_names()}, comm.collective_count - before,
             len(reducer.buckets))
 

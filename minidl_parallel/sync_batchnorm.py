@@ -65,16 +65,7 @@ class SyncBatchNormOp(BatchNorm):
         xc = x - batch_mean
         batch_var = comm.allreduce(_channel_sum(xp, axis, xc, xc), "sum").reshape(self.kept)
         batch_var /= count
-        self.inv_std = 1.0 / xp.sqrt(batch_var + self.epsilon)
-        self.xc = xc
-        y = xp.multiply(xc, self.scale * self.inv_std)
-        y += bias
-        if mean is not None:
-            m = self.momentum
-            unbiased = batch_var.reshape(channels) * (count / (count - 1))
-            mean[...] = (1.0 - m) * mean + m * batch_mean.reshape(channels)
-            variance[...] = (1.0 - m) * variance + m * unbiased
-        return y
+        return self._normalize(xc, batch_mean, batch_var, bias, mean, variance, count)
 
     def backward(self, gy):
         xp = get_array_module(gy)

@@ -128,14 +128,21 @@ class BatchNorm(Primitive):
         # Two-pass variance (mean of centred squares): E[x^2] - E[x]^2 cancels badly in float32.
         batch_var = _channel_sum(xp, axis, xc, xc).reshape(self.kept)
         batch_var *= inv_count
+        return self._normalize(xc, batch_mean, batch_var, bias, mean, variance, self.count)
+
+    def _normalize(self, xc, batch_mean, batch_var, bias, mean, variance, count):
+        """Training output ``xc * scale / std + bias`` (saving what backward needs), and the
+        running statistics' update. Shared with minidl_parallel's SyncBatchNorm, whose
+        batch statistics (and ``count``) span all ranks."""
+        xp = get_array_module(xc)
         self.inv_std = 1.0 / xp.sqrt(batch_var + self.epsilon)
         self.xc = xc
-        y = xp.multiply(xc, scale * self.inv_std)
+        y = xp.multiply(xc, self.scale * self.inv_std)
         y += bias
         if mean is not None:
             m = self.momentum
-            unbiased = batch_var.reshape(channels) * (self.count / (self.count - 1))
-            mean[...] = (1.0 - m) * mean + m * batch_mean.reshape(channels)
+            unbiased = batch_var.reshape(mean.shape) * (count / (count - 1))
+            mean[...] = (1.0 - m) * mean + m * batch_mean.reshape(mean.shape)
             variance[...] = (1.0 - m) * variance + m * unbiased
         return y
 

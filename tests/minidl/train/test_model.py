@@ -116,7 +116,9 @@ def test_default_grad_reducer_factory_applies_to_new_models():
         made.append(len(params))
         return lambda grads: grads
 
-    assert get_default_grad_reducer() is None
+    # The registry is process-wide: minidl_parallel's init (run by other tests) may have left
+    # its factory, which is inert outside data-parallel mode. Save it and put it back.
+    previous = get_default_grad_reducer()
     set_default_grad_reducer(factory)
     try:
         net = mlp()
@@ -124,11 +126,12 @@ def test_default_grad_reducer_factory_applies_to_new_models():
         assert made == [4] and model.grad_reducer is not None
         explicit = Model(net, ce_loss(), momentum(net), grad_reducer=lambda g: g)
         assert made == [4] and explicit.grad_reducer is not None
-    finally:
         set_default_grad_reducer(None)
-    assert Model(net, ce_loss(), momentum(net)).grad_reducer is None
-    with pytest.raises(TypeError, match="factory must be callable"):
-        set_default_grad_reducer(3)
+        assert Model(net, ce_loss(), momentum(net)).grad_reducer is None
+        with pytest.raises(TypeError, match="factory must be callable"):
+            set_default_grad_reducer(3)
+    finally:
+        set_default_grad_reducer(previous)
 
 
 def test_metrics_log_has_a_record_per_step_and_per_epoch(tmp_path):

@@ -81,14 +81,7 @@ class SyncBatchNormOp(BatchNorm):
         # Every rank must join the all-reduce even where x needs no gradient on it.
         total = resolve_communicator("SyncBatchNorm", self.group).allreduce(local, "sum")
         if need_x:
-            gscale = total[:channels].reshape(self.kept)
-            gbias = total[channels:].reshape(self.kept)
-            inv_m = 1.0 / self.count
-            buf = xp.multiply(xc, gscale * inv_std * inv_m)
-            buf += gbias * inv_m
-            xp.subtract(gy, buf, out=buf)
-            buf *= self.scale * inv_std
-            gx = buf
+            gx = self._input_gradient(gy, total[:channels].reshape(self.kept), total[channels:].reshape(self.kept))
         gscale = self._cast(gscale_local, self.scale_dtype) if need_scale else None
         gbias = self._cast(gbias_local, self.bias_dtype) if need_bias else None
         return gx, gscale, gbias, None, None

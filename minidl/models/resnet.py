@@ -17,6 +17,13 @@ def _conv1x1(cin, cout, stride=1):
     return nn.Conv2d(cin, cout, 1, stride=stride, pad_mode="valid", has_bias=False, weight_init="he_normal")
 
 
+def _shortcut(cin, cout, stride):
+    """None when the block keeps its shape, else a 1x1 convolution with BatchNorm."""
+    if stride == 1 and cin == cout:
+        return None
+    return nn.SequentialCell(_conv1x1(cin, cout, stride), nn.BatchNorm2d(cout))
+
+
 class BasicBlock(nn.Cell):
     """Two 3x3 convolutions with a residual connection."""
 
@@ -29,9 +36,7 @@ class BasicBlock(nn.Cell):
         self.conv2 = _conv3x3(cout, cout)
         self.bn2 = nn.BatchNorm2d(cout)
         self.relu = nn.ReLU()
-        self.down_sample = None
-        if stride != 1 or cin != cout:
-            self.down_sample = nn.SequentialCell(_conv1x1(cin, cout, stride), nn.BatchNorm2d(cout))
+        self.down_sample = _shortcut(cin, cout, stride)
 
     def construct(self, x):
         identity = x if self.down_sample is None else self.down_sample(x)
@@ -55,9 +60,7 @@ class Bottleneck(nn.Cell):
         self.conv3 = _conv1x1(width, cout)
         self.bn3 = nn.BatchNorm2d(cout)
         self.relu = nn.ReLU()
-        self.down_sample = None
-        if stride != 1 or cin != cout:
-            self.down_sample = nn.SequentialCell(_conv1x1(cin, cout, stride), nn.BatchNorm2d(cout))
+        self.down_sample = _shortcut(cin, cout, stride)
 
     def construct(self, x):
         identity = x if self.down_sample is None else self.down_sample(x)

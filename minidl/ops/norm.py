@@ -165,18 +165,26 @@ class BatchNorm(Primitive):
         gbias = _channel_sum(xp, axis, gy).reshape(self.kept)
         gx = None
         if need_x:
-            # gx = scale * inv_std / M * (M * gy - sum(gy) - xhat * sum(gy * xhat)), built in buf
-            # with xhat = xc * inv_std folded into the per-channel factor.
-            inv_m = 1.0 / self.count
-            buf = xp.multiply(xc, gscale * inv_std * inv_m)
-            buf += gbias * inv_m
-            xp.subtract(gy, buf, out=buf)
-            buf *= self.scale * inv_std
-            gx = buf
+            gx = self._input_gradient(gy, gscale, gbias)
         channels = gscale.size
         gscale = gscale.reshape(channels) if need_scale else None
         gbias = gbias.reshape(channels) if need_bias else None
         return gx, self._cast(gscale, self.scale_dtype), self._cast(gbias, self.bias_dtype), None, None
+
+    def _input_gradient(self, gy, gscale, gbias):
+        """Training gx from the per-channel sums ``gscale = sum(gy * xhat)``, ``gbias = sum(gy)``
+        (over all ranks for SyncBatchNorm, which shares this).
+
+        gx = scale * inv_std / M * (M * gy - sum(gy) - xhat * sum(gy * xhat)), built in one
+        buffer with xhat = xc * inv_std folded into the per-channel factor.
+        """
+        xp = get_array_module(gy)
+        inv_std, inv_m = self.inv_std, 1.0 / self.count
+        buf = xp.multiply(self.xc, gscale * inv_std * inv_m)
+        buf += gbias * inv_m
+        xp.subtract(gy, buf, out=buf)
+        buf *= self.scale * inv_std
+        return buf
 
     @staticmethod
     def _cast(g, dtype):

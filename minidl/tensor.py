@@ -6,6 +6,7 @@ to send a gradient back to them (see minidl/ops/primitive.py). Python operators
 (``+``, ``@``, ``.sum()`` ...) are attached by minidl/ops/tensor_methods.py, so that this
 file stays free of op code.
 """
+import math
 import threading
 
 import numpy
@@ -22,6 +23,29 @@ uint8 = numpy.uint8
 bool_ = numpy.bool_
 
 _grad_mode = threading.local()
+_shape_hook = {"current": None}
+
+
+def set_shape_hook(hook):
+    """Installs ``hook(tensor) -> shape or None``: the logical shape of a tensor that holds a block.
+
+    Under tensor parallelism a Tensor's array is its rank's block of a larger logical tensor;
+    ``shape`` (and ``size``) then report the logical shape, as PyTorch's DTensor does, so that
+    ``construct`` code (``reshape(x, (x.shape[0], -1))``) means the same on one device and on
+    many. ``tensor.data.shape`` stays the block's shape. The core never sets the hook.
+    """
+    if hook is not None and not callable(hook):
+        raise TypeError(f"set_shape_hook: hook must be callable or None, got {type(hook).__name__}")
+    _shape_hook["current"] = hook
+
+
+def _logical_shape(tensor):
+    hook = _shape_hook["current"]
+    if hook is not None:
+        shape = hook(tensor)
+        if shape is not None:
+            return shape
+    return tuple(tensor.data.shape)
 
 
 def is_grad_enabled():
@@ -110,10 +134,10 @@ class Tensor:
         t._node = node
         return t
 
-    shape = property(lambda self: tuple(self.data.shape), doc="The shape, as a tuple.")
+    shape = property(_logical_shape, doc="The shape, as a tuple (the logical shape under tensor parallelism).")
     dtype = property(lambda self: self.data.dtype, doc="The numpy dtype.")
     ndim = property(lambda self: self.data.ndim, doc="Number of dimensions.")
-    size = property(lambda self: int(self.data.size), doc="Number of elements.")
+    size = property(lambda self: math.prod(self.shape), doc="Number of elements.")
     is_leaf = property(lambda self: self._node is None, doc="True when no recorded op made it.")
 
     def asnumpy(self):
@@ -152,7 +176,7 @@ class Tensor:
     def __len__(self):
         if self.data.ndim == 0:
             raise TypeError("len() of a 0-d tensor")
-        return self.data.shape[0]
+        return self.shape[0]
 
     def __bool__(self):
         if self.data.size != 1:
@@ -198,8 +222,9 @@ class Parameter(Tensor):
     def set_data(self, data):
         """Replaces the value in place (same shape), keeping identity for optimizers."""
         new = _as_array(data, self.data.dtype)
-        if tuple(new.shape) != self.shape:
-            raise ValueError(f"Parameter {self.name}: set_data got shape {tuple(new.shape)}, expected {self.shape}")
+        if tuple(new.shape) != tuple(self.data.shape):
+            raise ValueError(f"Parameter {self.name}: set_data got shape {tuple(new.shape)}, expected "
+                             f"{tuple(self.data.shape)}")
         self.data = new
         return self
 

@@ -36,7 +36,10 @@ class ParallelMode:
 
 
 _DEFAULTS = {"parallel_mode": ParallelMode.STAND_ALONE, "gradients_mean": False, "parameter_broadcast": False,
-             "device_num": None, "global_rank": None}
+             "device_num": None, "global_rank": None, "dataset_strategy": "data_parallel",
+             "search_mode": "sharding_propagation"}
+DATASET_STRATEGIES = ("data_parallel", "full_batch")
+SEARCH_MODES = ("sharding_propagation",)
 
 
 def _is_int(v):
@@ -54,6 +57,14 @@ def _check_setting(key, value):
     elif key == "device_num":
         if value is not None and (not _is_int(value) or value < 1):
             raise ValueError(f"set_auto_parallel_context: device_num must be None or an int >= 1, got {value!r}")
+    elif key == "dataset_strategy":
+        if value not in DATASET_STRATEGIES:
+            raise ValueError(f"set_auto_parallel_context: dataset_strategy must be one of {DATASET_STRATEGIES}, "
+                             f"got {value!r}")
+    elif key == "search_mode":
+        if value not in SEARCH_MODES:
+            raise ValueError(f"set_auto_parallel_context: search_mode must be one of {SEARCH_MODES} (the only "
+                             f"search minidl implements), got {value!r}")
     elif key == "global_rank":
         if value is not None and (not _is_int(value) or value < 0):
             raise ValueError(f"set_auto_parallel_context: global_rank must be None or an int >= 0, got {value!r}")
@@ -198,7 +209,13 @@ def get_local_rank_size():
 # ---- auto-parallel context --------------------------------------------------------------
 
 def set_auto_parallel_context(**kwargs):
-    """Sets parallel_mode, gradients_mean, parameter_broadcast, device_num and/or global_rank.
+    """Sets parallel_mode, gradients_mean, parameter_broadcast, device_num, global_rank,
+    dataset_strategy and/or search_mode.
+
+    SEMI_AUTO_PARALLEL and AUTO_PARALLEL turn on operator-level tensor parallelism (see
+    minidl_parallel.tensor_parallel): ``dataset_strategy`` "data_parallel" (each rank feeds
+    its slice of the batch; the default) or "full_batch" (every rank feeds the whole batch);
+    ``search_mode`` "sharding_propagation" (AUTO: ops without a strategy follow their inputs).
 
     Example:
         >>> set_auto_parallel_context(parallel_mode=ParallelMode.DATA_PARALLEL, gradients_mean=True)
@@ -208,6 +225,9 @@ def set_auto_parallel_context(**kwargs):
         _check_setting(key, value)
     _state().settings.update(kwargs)
     _register_data_parallel()
+    if _state().settings["parallel_mode"] in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL):
+        from .tensor_parallel.dispatch import install
+        install()
 
 
 def get_auto_parallel_context(key):
@@ -239,10 +259,20 @@ def _grad_reducer_factory(parameters):
                                   parameter_broadcast=get_auto_parallel_context("parameter_broadcast"))
 
 
+def tensor_parallel_active():
+    """True when this rank runs SEMI_AUTO_PARALLEL or AUTO_PARALLEL after init()."""
+    st = _state()
+    return st.comm is not None and st.settings["parallel_mode"] in (ParallelMode.SEMI_AUTO_PARALLEL,
+                                                                    ParallelMode.AUTO_PARALLEL)
+
+
 def _shards_provider():
-    if not _data_parallel_active():
-        return None
-    return get_group_size(), get_rank()
+    # Data parallel, and tensor parallel with dataset_strategy="data_parallel": each rank
+    # reads its slice of every batch.
+    if _data_parallel_active() or (tensor_parallel_active()
+                                   and _state().settings["dataset_strategy"] == "data_parallel"):
+        return get_group_size(), get_rank()
+    return None
 
 
 def _register_rank_provider():
@@ -255,7 +285,7 @@ def _register_rank_provider():
 def _register_data_parallel():
     # minidl's registries are process-global; what we register resolves the calling
     # thread's context when called, so registering once serves every thread-rank.
-    if not _data_parallel_active():
+    if not (_data_parallel_active() or tensor_parallel_active()):
         return
     from minidl.dataset import sharding
     from minidl.train import model

@@ -18,6 +18,7 @@ import os
 import numpy
 
 from .. import backend
+from ..common.sharded_state import get_sharded_state_adapter
 from ..tensor import Parameter, Tensor
 from . import safetensors
 
@@ -82,8 +83,15 @@ def save_checkpoint(save_obj, ckpt_file_name, append_dict=None, choice_func=None
             raise ValueError(f"{who}: the name {name!r} appears twice")
         tensors[name] = _to_numpy(who, name, value)
 
+    adapter = get_sharded_state_adapter()
     for name, value in _named_values(save_obj):
         if choice_func is None or choice_func(name):
+            if adapter is not None and isinstance(value, Parameter):
+                # Tensor parallelism: a block becomes the full tensor (collective on every rank).
+                layout = adapter.describe(value)
+                if layout is not None:
+                    metadata[f"layout.{name}"] = layout
+                value = adapter.to_full(value)
             add(name, value)
     if append_dict is not None:
         if not isinstance(append_dict, dict):
@@ -181,6 +189,7 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
     if not isinstance(parameter_dict, dict):
         raise TypeError(f"{who}: parameter_dict must be a dict, got {type(parameter_dict).__name__}")
     missing, mismatched, pairs, used = [], [], [], set()
+    adapter = get_sharded_state_adapter()
     for name, param in net.parameters_and_names():
         if name not in parameter_dict:
             missing.append(name)
@@ -188,8 +197,12 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
         value = parameter_dict[name]
         if not isinstance(value, Tensor) and not hasattr(value, "shape"):
             value = numpy.asarray(value)
-        if tuple(value.shape) != tuple(param.shape):
-            mismatched.append(f"{name!r}: net {tuple(param.shape)} vs checkpoint {tuple(value.shape)}")
+        if adapter is not None:
+            value = adapter.to_local(param, value)  # a full tensor becomes this rank's block
+        local = tuple(param.data.shape)
+        if tuple(value.shape) != local:
+            shown = f"{tuple(param.shape)} (block {local})" if tuple(param.shape) != local else f"{local}"
+            mismatched.append(f"{name!r}: net {shown} vs checkpoint {tuple(value.shape)}")
             continue
         pairs.append((param, value))
         used.add(name)

@@ -21,6 +21,7 @@ import numbers
 import numpy
 
 from .. import backend
+from ..common.sharded_state import get_sharded_state_adapter
 from ..tensor import Parameter, Tensor
 from .lr_schedule import LearningRateSchedule
 
@@ -125,6 +126,7 @@ class Optimizer:
         self._keys = self._state_keys()
         self._global_step = _host_parameter(0, "global_step", numpy.int32)
         self._buffers = {}
+        self._buffer_owner = {}  # buffer name -> index of the parameter it mirrors
         self._work = {}
         self._max_size = max(int(p.data.size) for p in self.parameters)
 
@@ -197,6 +199,7 @@ class Optimizer:
         buf = Parameter(array, name=name, requires_grad=False)
         buf.data = array  # keep the parameter's device even when the context says otherwise
         self._buffers[name] = buf
+        self._buffer_owner[name] = i
         return buf
 
     def _new_flag(self, prefix, i, value):
@@ -305,6 +308,8 @@ class Optimizer:
         return arrays
 
     def _apply(self, grads):
+        if get_sharded_state_adapter() is not None:
+            self._follow_parameter_layouts()
         grads = self._check_grads(grads)  # all checked before any parameter changes
         step = self.global_step
         lrs = [_lr_at(g["lr"], step) for g in self.param_groups]
@@ -317,6 +322,18 @@ class Optimizer:
             w = p.data
             self._update(i, w, self._effective_grad(w, g, wd, inv_scale), lrs[group])
         self._host_array(self._global_step)[0] += 1
+
+    def _follow_parameter_layouts(self):
+        """Cuts buffers made (or loaded) whole like their parameters, once those hold blocks.
+
+        Under tensor parallelism a parameter becomes its rank's block at its first sharded
+        use, after the optimizer was built; its state must become the same block.
+        """
+        adapter = get_sharded_state_adapter()
+        for name, buf in self._buffers.items():
+            i = self._buffer_owner.get(name)
+            if i is not None and tuple(buf.data.shape) != tuple(self.parameters[i].data.shape):
+                buf.data = adapter.follow(self.parameters[i], buf)
 
     def _effective_grad(self, w, g, wd, inv_scale):
         """g / loss_scale + wd * w, in work buffer 0 (g itself when there is nothing to add)."""

@@ -1,0 +1,330 @@
+"""The dispatcher: runs every operator of a (semi-)auto parallel network on this rank's blocks.
+
+Installed through minidl's two seams (``ops.primitive.set_call_hook`` and
+``nn.cell.set_cell_call_hook``) when SEMI_AUTO_PARALLEL or AUTO_PARALLEL is set; it does
+nothing on ranks in other modes. For each primitive call it:
+
+1. reads the layouts of the tensor arguments (tensors.py; untagged tensors are whole);
+2. takes the strategy: ``.shard()``'s, else AUTO's propagation from the inputs' layouts, else
+   SEMI_AUTO's data-parallel default;
+3. asks the op's rule (rules/) for the device matrix and the layouts it needs; a broken rule
+   raises here, identically on every rank, before any communication;
+4. places Parameters at their first use (parameters.py) and redistributes every other input
+   to the layout the op needs (a plan of slices and collectives, recorded for autograd);
+5. runs the op locally and tags its output with the output layout (which may be partial);
+6. wraps the op's backward so that an input gradient that is only a partial sum over some
+   device axes is all-reduced over them (MatMul's weight gradient over the batch axis), which
+   keeps the invariant that a tensor's gradient has its layout without partial axes.
+
+The outermost Cell call tags its untagged inputs by ``dataset_strategy`` and reduces partial
+outputs, so a loss is whole, and equal, on every rank.
+"""
+import copy
+import threading
+
+from minidl.nn import cell as cell_module
+from minidl.ops import primitive as primitive_module
+from minidl.tensor import Parameter, Tensor, set_shape_hook
+
+from . import counter
+from .explain import recording
+from .executor import GroupCache, Redistribute
+from .layout import Layout
+from .parameters import ShardedStateAdapter, place_parameter
+from .redistribution import comm_bytes, plan_redistribution
+from .rules import Decomposed, StrategyError, TensorSpec, get_rule
+from .rules.base import NoRuleError
+from .tensors import get_layout, layout_of, set_layout, tag_input
+
+__all__ = ["install", "active_context", "redistribute", "full_value", "gather_like"]
+
+_tls = threading.local()
+_groups = GroupCache()
+_installed = {"done": False}
+
+
+def _rank_state():
+    st = getattr(_tls, "state", None)
+    if st is None:
+        st = _tls.state = _RankState()
+    return st
+
+
+class _RankState:
+    def __init__(self):
+        self.depth = 0      # nesting of Cell calls
+        self.root = None    # the outermost Cell being called (for operator paths)
+
+
+def active_context():
+    """(world communicator, settings, device_num) when this rank runs (semi-)auto parallel, else None."""
+    from .. import context
+    if not context.tensor_parallel_active():
+        return None
+    comm = context.get_communicator()
+    device_num = context.get_auto_parallel_context("device_num")
+    if device_num != comm.size:
+        raise ValueError(f"tensor parallel: device_num is {device_num} but the world has {comm.size} ranks; "
+                         f"set_auto_parallel_context(device_num=...) must equal the number of ranks")
+    return comm, context._state().settings, device_num
+
+
+def _world():
+    ctx = active_context()
+    if ctx is None:
+        from .. import context
+        return context.get_communicator(), _groups
+    return ctx[0], _groups
+
+
+def _global_shape(tensor):
+    entry = get_layout(tensor)
+    return None if entry is None else entry[1]
+
+
+def install():
+    """Installs the hooks and the sharded-state adapter (idempotent; inactive outside (semi-)auto)."""
+    if _installed["done"]:
+        return
+    if primitive_module.get_call_hook() not in (None, _op_hook):
+        raise RuntimeError("tensor parallel: another primitive call hook is installed")
+    primitive_module.set_call_hook(_op_hook)
+    cell_module.set_cell_call_hook(_cell_hook)
+    from minidl.common.sharded_state import set_sharded_state_adapter
+    set_sharded_state_adapter(ShardedStateAdapter(_world))
+    set_shape_hook(_global_shape)
+    _installed["done"] = True
+
+
+# ---- operators ------------------------------------------------------------------------------
+
+def _passthrough_types():
+    from ..collectives import AllGather, AllReduce, Broadcast, ReduceScatter
+    return (Redistribute, AllReduce, AllGather, ReduceScatter, Broadcast)
+
+
+def _op_hook(prim, args):
+    ctx = active_context()
+    if ctx is None or isinstance(prim, _passthrough_types()):
+        return prim.apply(*args)
+    return _run_sharded(prim, args, *ctx)
+
+
+def _path_of(prim):
+    """The attribute path of a primitive in the outermost Cell ("dense1.matmul"), or None."""
+    root = _rank_state().root
+    if root is None:
+        return None
+    for name, cell in root.cells_and_names():
+        for attr, value in vars(cell).items():
+            if value is prim:
+                return f"{name}.{attr}" if name else attr
+    return None
+
+
+def _who(prim):
+    path = _path_of(prim)
+    return f"{prim.name} ({path})" if path else prim.name
+
+
+def _choose_strategy(prim, rule, spec_args, specs, current, settings, device_num):
+    if prim.in_strategy is not None:
+        return prim.in_strategy, "shard"
+    if settings["parallel_mode"] == "auto_parallel":
+        layouts = tuple(Layout.replicated(s.ndim, device_num) if cur is None else cur[0]
+                        for s, cur in zip(specs, current))
+        return rule.propagate(prim, spec_args, layouts, device_num), "propagated"
+    return rule.data_parallel(prim, spec_args, device_num), "data parallel"
+
+
+def _run_sharded(prim, args, comm, settings, device_num):
+    positions = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+    current, specs = [], []
+    for i in positions:
+        a = args[i]
+        entry = get_layout(a)
+        if entry is None and isinstance(a, Parameter):
+            current.append(None)  # not placed yet: whole on every rank
+            specs.append(TensorSpec(tuple(a.shape), a.dtype, True))
+        else:
+            cur = entry if entry is not None else layout_of(a, device_num)
+            current.append(cur)
+            specs.append(TensorSpec(cur[1], a.dtype, isinstance(a, Parameter)))
+    spec_args = list(args)
+    for i, s in zip(positions, specs):
+        spec_args[i] = s
+    spec_args = tuple(spec_args)
+    try:
+        rule = get_rule(prim)
+    except NoRuleError as e:
+        raise NoRuleError(f"{_who(prim)}: {e}") from None
+    strategy = origin = None
+    try:
+        strategy, origin = _choose_strategy(prim, rule, spec_args, specs, current, settings, device_num)
+        sharding = rule.infer(prim, spec_args, strategy, device_num)
+    except StrategyError as e:
+        shapes = ", ".join(str(s.shape) for s in specs)
+        raise StrategyError(f"{_who(prim)}: inputs of shapes {shapes}, strategy {strategy} ({origin}), "
+                            f"device_num {device_num}: {e}") from None
+    record = recording()
+    if isinstance(sharding, Decomposed):
+        if record is not None:
+            record.decomposed(_who(prim), strategy, origin, sharding.description)
+        return sharding.fn(*args)
+
+    rank = comm.rank
+    for k, (i, need) in enumerate(zip(positions, sharding.in_layouts)):
+        if isinstance(args[i], Parameter) and current[k] is not None and current[k][0] != need:
+            place_parameter(args[i], need, specs[k].shape, rank, _who(prim))  # raises: before any communication
+    local_args = list(args)
+    moves = []
+    for k, (i, need) in enumerate(zip(positions, sharding.in_layouts)):
+        if isinstance(args[i], Parameter):
+            # Parameters never move: the first use cuts them, later uses must agree with it.
+            place_parameter(args[i], need, specs[k].shape, rank, _who(prim))
+            moves.append((specs[k], current[k] and current[k][0], need, None))
+            continue
+        have, shape = current[k]
+        plan = None
+        if have != need:
+            plan = plan_redistribution(have, need, shape, args[i].dtype.itemsize)
+            if _moves_data(plan):
+                local_args[i] = Redistribute(plan, comm, _groups)(args[i])
+        moves.append((specs[k], have, need, plan))
+
+    if sharding.localize is not None:
+        arrays = [a.data if isinstance(a, Tensor) else a for a in local_args]
+        new = list(sharding.localize(sharding.out_layout.coords(rank), list(arrays)))
+        for i, (old, value) in enumerate(zip(arrays, new)):
+            if i in positions:
+                if value is not old:
+                    assert not local_args[i].requires_grad, "localize may only rewrite tensors without gradient"
+                    local_args[i] = Tensor._wrap(value)
+            else:
+                local_args[i] = value
+    op = prim
+    if sharding.local_attrs:
+        op = copy.copy(prim)
+        op.__dict__.update(sharding.local_attrs)
+    out = op.apply(*local_args)
+    if out._node is not None:
+        _reduce_partial_gradients(out._node, sharding, positions, comm)
+    set_layout(out, sharding.out_layout, sharding.out_layout.global_shape(tuple(out.shape)))
+    if record is not None:
+        record.operator(_who(prim), strategy, origin, sharding, moves, get_layout(out)[1], tuple(out.data.shape))
+    return out
+
+
+def _moves_data(plan):
+    """False for plans that only rename device axes (e.g. [2, 4, 1] -> [2, 4]): the block stays."""
+    return any(step.kind != "relabel" for step in plan.steps)
+
+
+def _partial_axes_of_gradient(sharding, k):
+    """Device axes over which input k's local gradient is only a partial sum (see step 6)."""
+    layout = sharding.in_layouts[k]
+    cut = {a for dim in layout.tensor_map for a in dim}
+    return tuple(a for a, size in enumerate(layout.device_matrix)
+                 if size > 1 and a not in cut and a not in sharding.repeat_axes)
+
+
+def _reduce_partial_gradients(node, sharding, positions, comm):
+    reductions = {}
+    for k, i in enumerate(positions):
+        axes = _partial_axes_of_gradient(sharding, k)
+        if axes:
+            reductions[i] = (sharding.in_layouts[k], axes)
+    if not reductions:
+        return
+    local_backward = node.backward
+
+    def backward(gy):
+        grads = list(local_backward(gy))
+        for i, (layout, axes) in reductions.items():
+            if grads[i] is None:
+                continue
+            ranks = layout.group(comm.rank, axes)
+            group = _groups.get(comm, ranks)
+            if group is not None:
+                grads[i] = group.allreduce(grads[i], "sum")
+                counter.record("allreduce", len(ranks), comm_bytes("allreduce", grads[i].nbytes, len(ranks)),
+                               phase="backward")
+        return tuple(grads)
+
+    node.backward = backward  # the instance attribute shadows the class's backward for this call only
+
+
+# ---- cells ----------------------------------------------------------------------------------
+
+def _cell_hook(cell, args, kwargs):
+    ctx = active_context()
+    if ctx is None:
+        return cell.construct(*args, **kwargs)
+    comm, settings, device_num = ctx
+    st = _rank_state()
+    outermost = st.depth == 0
+    if outermost:
+        for a in list(args) + list(kwargs.values()):
+            if isinstance(a, Tensor) and not isinstance(a, Parameter):
+                tag_input(a, settings["dataset_strategy"], device_num)
+        st.root = cell
+    st.depth += 1
+    try:
+        out = cell.construct(*args, **kwargs)
+    finally:
+        st.depth -= 1
+    if outermost:
+        out = _complete(out, comm)
+    return out
+
+
+def _complete(out, comm):
+    """Reduces partial outputs of the outermost Cell (a loss becomes whole on every rank)."""
+    if isinstance(out, (tuple, list)):
+        return type(out)(_complete(o, comm) for o in out)
+    if isinstance(out, Tensor):
+        entry = get_layout(out)
+        if entry is not None and entry[0].partial:
+            return redistribute(out, entry[0].without_partial())
+    return out
+
+
+def redistribute(tensor, layout):
+    """Returns ``tensor`` moved to ``layout`` (differentiable; every rank must call it)."""
+    ctx = active_context()
+    comm = ctx[0] if ctx is not None else _world()[0]
+    device_num = comm.size
+    have, shape = layout_of(tensor, device_num)
+    if have == layout:
+        return tensor
+    plan = plan_redistribution(have, layout, shape, tensor.dtype.itemsize)
+    out = Redistribute(plan, comm, _groups)(tensor) if _moves_data(plan) else _alias(tensor)
+    set_layout(out, layout, shape)
+    return out
+
+
+def _alias(tensor):
+    """A new Tensor over the same block (so the layout table can tag it differently), differentiable."""
+    from minidl import ops
+    return ops.Reshape().apply(tensor, tuple(tensor.shape))  # apply: local, not dispatched again
+
+
+def full_value(tensor):
+    """The whole logical value of ``tensor`` as an array on every rank (every rank must call it)."""
+    comm, groups = _world()
+    entry = get_layout(tensor)
+    if entry is None:
+        return tensor.data
+    from .executor import gather_full
+    return gather_full(tensor.data, entry[0], entry[1], comm, groups)
+
+
+def gather_like(value, like):
+    """The whole value of ``value`` (a Tensor or array laid out as tensor ``like``: a gradient)."""
+    comm, groups = _world()
+    array = value.data if isinstance(value, Tensor) else value
+    entry = get_layout(like)
+    if entry is None:
+        return array
+    from .executor import gather_full
+    return gather_full(array, entry[0].without_partial(), entry[1], comm, groups)

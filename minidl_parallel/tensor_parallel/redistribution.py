@@ -1,0 +1,494 @@
+"""The redistribution planner: how a tensor moves from one layout to another, as plain data.
+
+A :class:`Plan` is a tuple of :class:`Step` values, each one of seven kinds; nothing here
+communicates (executor.py runs plans). The transitions, per device axis of a layout
+(P = partial, S(d) = cuts dimension d, R = replica; bytes one rank sends, ``in`` its block):
+
+    R    -> S(d)   slice           local              0
+    S(d) -> R      allgather       ring               (g-1) * in
+    P    -> R      allreduce       ring               2 (g-1)/g * in
+    P    -> S(d)   reduce_scatter  ring               (g-1)/g * in
+    S(d) -> S(e)   alltoall        pairwise           (g-1)/g * in
+    R    -> P      zero_partial    local              0      (sum: ranks off coordinate 0 hold 0)
+    same data, another device matrix: relabel         0
+
+The planner puts both layouts on one device matrix of "atoms": device axis i of size s and
+stride t covers the rank digits [t, t*s); cutting every axis at every boundary of either
+matrix gives atoms, so that each axis of either layout is a run of atoms (``[8]`` and
+``[2, 4]`` share the atoms ``[2, 4]``). On atoms a greedy loop moves the tensor: free slices
+first (they shrink every later message), then reduce-scatters, all-to-alls, all-reduces, and
+all-gathers last, each over the combined group of all the atoms it moves. When the two
+matrices have no common atoms (``[3, 4]`` and ``[4, 3]``) or the greedy route would send
+more, the plan is the naive route: all-reduce, all-gather to replicated, slice.
+
+Example:
+    >>> src = Layout((2, 4, 1), ((0,), (2,)), ((1, "sum"),))   # MatMul's partial output
+    >>> dst = Layout((2, 4), ((0,), (1,)))
+    >>> plan = plan_redistribution(src, dst, (16, 16))
+    >>> plan.short(), plan.num_collectives, plan.bytes_per_rank
+    ('reduce_scatter(1:b), relabel', 1, 384)
+    >>> print(plan.steps[1])
+    relabel: (a, b) on [2, 4, 1] -> (a, b) on [2, 4]
+"""
+from dataclasses import dataclass
+from functools import lru_cache
+from math import prod
+
+from .layout import PARTIAL_OPS, Layout, axis_name
+
+__all__ = ["Step", "Plan", "plan_redistribution", "comm_bytes", "naive_bytes", "KINDS", "COLLECTIVES"]
+
+COLLECTIVES = ("allgather", "allreduce", "reduce_scatter", "alltoall")
+KINDS = ("slice",) + COLLECTIVES + ("zero_partial", "relabel")
+
+
+def comm_bytes(kind, local_bytes_in, group_size):
+    """The bytes one rank sends in a step (ring / pairwise algorithms, nccl-tests conventions).
+
+    Args:
+        kind: a step kind (see :data:`KINDS`); local kinds send nothing.
+        local_bytes_in: the size in bytes of this rank's block before the step.
+        group_size: ranks in the step's group.
+
+    Example:
+        >>> comm_bytes("allreduce", 4096, 4)
+        6144
+    """
+    n, g = int(local_bytes_in), int(group_size)
+    if kind not in KINDS:
+        raise ValueError(f"comm_bytes: kind must be one of {KINDS}, got {kind!r}")
+    if kind not in COLLECTIVES or g <= 1:
+        return 0
+    if kind == "allgather":
+        return (g - 1) * n
+    if kind == "allreduce":
+        return 2 * (g - 1) * n // g
+    return (g - 1) * n // g  # reduce_scatter, alltoall
+
+
+def _names(axes):
+    return "".join(axis_name(a) for a in axes)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a plan: plain data, printable, hashable.
+
+    Attributes:
+        kind: one of :data:`KINDS`.
+        before, after: the layouts before and after the step (a relabel changes the device
+            matrix; every other step keeps ``before``'s).
+        local_shape_in, local_shape_out: a rank's block before and after.
+        axes: the device axes of ``before`` whose ranks form the step's group, major first
+            (for slices: the axes whose coordinates pick the block).
+        dim: the tensor dimension gathered, sliced or scattered (alltoall: gathered).
+        split_dim: alltoall only: the dimension newly cut.
+        op: the reduction (allreduce, reduce_scatter) or the new partial op (zero_partial).
+        bytes_per_rank: what one rank sends (:func:`comm_bytes`).
+    """
+
+    kind: str
+    before: Layout
+    after: Layout
+    local_shape_in: tuple
+    local_shape_out: tuple
+    axes: tuple = ()
+    dim: object = None
+    split_dim: object = None
+    op: object = None
+    bytes_per_rank: int = 0
+
+    @property
+    def group_size(self):
+        return prod(self.before.device_matrix[a] for a in self.axes)
+
+    @property
+    def is_collective(self):
+        return self.kind in COLLECTIVES
+
+    def short(self):
+        """A few characters: ``allreduce(b)``, ``slice(1:b)``, ``alltoall(b:0->1)``."""
+        ax = _names(self.axes)
+        if self.kind == "relabel":
+            return "relabel"
+        if self.kind == "alltoall":
+            return f"alltoall({ax}:{self.dim}->{self.split_dim})"
+        if self.dim is not None:
+            return f"{self.kind}({self.dim}:{ax})"
+        return f"{self.kind}({ax})"
+
+    def __str__(self):
+        if self.kind == "relabel":
+            return f"relabel: {self.before} -> {self.after}"
+        g = self.group_size
+        ax = _names(self.axes)
+        if self.kind == "slice":
+            head = f"slice dim {self.dim} over {ax} ({g} blocks)"
+        elif self.kind == "zero_partial":
+            head = f"zero_partial {self.op} over {ax}"
+        else:
+            op = f" {self.op}" if self.op is not None else ""
+            dims = "" if self.dim is None else f" dim {self.dim}"
+            if self.kind == "alltoall":
+                dims = f" dim {self.dim} -> dim {self.split_dim}"
+            head = f"{self.kind}{op}{dims} over {ax} (groups of {g})"
+        return (f"{head}: {self.before} -> {self.after}  block {tuple(self.local_shape_out)}  "
+                f"{self.bytes_per_rank} B/rank")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a tensor of global ``shape`` moves from layout ``src`` to ``dst``: ``steps`` in order."""
+
+    src: Layout
+    dst: Layout
+    shape: tuple
+    steps: tuple = ()
+    itemsize: int = 4
+
+    @property
+    def bytes_per_rank(self):
+        """What one rank sends over the whole plan."""
+        return sum(s.bytes_per_rank for s in self.steps)
+
+    @property
+    def num_collectives(self):
+        return sum(1 for s in self.steps if s.is_collective)
+
+    @property
+    def moves_data(self):
+        """False when the plan only relabels (the rank keeps its block as it is)."""
+        return any(s.kind != "relabel" for s in self.steps)
+
+    def adjoint(self):
+        """The plan a gradient takes back: ``dst`` to ``src``, both without partial axes."""
+        return plan_redistribution(self.dst.without_partial(), self.src.without_partial(), self.shape,
+                                   self.itemsize)
+
+    def short(self):
+        """The steps on one line: ``allreduce(b), slice(1:b)`` (``no-op`` when empty)."""
+        return ", ".join(s.short() for s in self.steps) or "no-op"
+
+    def __str__(self):
+        if not self.steps:
+            return f"no change: {self.src}"
+        return "\n".join(str(s) for s in self.steps)
+
+
+# ---- building steps -------------------------------------------------------------------------
+
+class _Builder:
+    """The working layout as mutable lists, and the steps that led to it."""
+
+    def __init__(self, layout, shape, itemsize):
+        self.shape, self.itemsize = shape, itemsize
+        self.steps = []
+        self._load(layout)
+
+    def _load(self, layout):
+        self.layout = layout
+        self.dm = layout.device_matrix
+        self.tmap = [list(d) for d in layout.tensor_map]
+        self.part = dict(layout.partial)
+
+    def relabel(self, layout):
+        before = self.layout
+        local = before.local_shape(self.shape)
+        assert layout.local_shape(self.shape) == local
+        self._load(layout)
+        self.steps.append(Step("relabel", before, layout, local, local))
+
+    def emit(self, kind, axes, dim=None, split_dim=None, op=None):
+        before, axes = self.layout, tuple(axes)
+        if kind == "slice":
+            self.tmap[dim] += axes
+        elif kind == "allgather":
+            assert tuple(self.tmap[dim][-len(axes):]) == axes
+            del self.tmap[dim][-len(axes):]
+        elif kind == "allreduce":
+            for a in axes:
+                del self.part[a]
+        elif kind == "reduce_scatter":
+            for a in axes:
+                del self.part[a]
+            self.tmap[dim] += axes
+        elif kind == "alltoall":
+            assert tuple(self.tmap[dim][-len(axes):]) == axes
+            del self.tmap[dim][-len(axes):]
+            self.tmap[split_dim] += axes
+        elif kind == "zero_partial":
+            for a in axes:
+                self.part[a] = op
+        self.layout = Layout(self.dm, tuple(tuple(d) for d in self.tmap), tuple(self.part.items()))
+        local_in = before.local_shape(self.shape)
+        g = prod(self.dm[a] for a in axes)
+        sent = comm_bytes(kind, prod(local_in) * self.itemsize, g)
+        self.steps.append(Step(kind, before, self.layout, local_in, self.layout.local_shape(self.shape), axes, dim,
+                               split_dim, op, sent))
+
+    @property
+    def bytes(self):
+        return sum(s.bytes_per_rank for s in self.steps)
+
+
+def _naive_steps(src, dst, shape, itemsize):
+    """All-reduce every partial axis, all-gather every cut, relabel, slice, zero: always correct."""
+    b = _Builder(src, shape, itemsize)
+    for op in PARTIAL_OPS:
+        axes = [a for a, o in src.partial if o == op]
+        if axes:
+            b.emit("allreduce", axes, op=op)
+    for d, axes in enumerate(src.tensor_map):
+        if axes:
+            b.emit("allgather", axes, dim=d)
+    whole = Layout(dst.device_matrix, ((),) * len(shape))
+    if b.layout != whole:
+        b.relabel(whole)
+    for d, axes in enumerate(dst.tensor_map):
+        if axes:
+            b.emit("slice", axes, dim=d)
+    for op in PARTIAL_OPS:
+        axes = [a for a, o in dst.partial if o == op]
+        if axes:
+            b.emit("zero_partial", axes, op=op)
+    return b
+
+
+# ---- atoms: a device matrix both layouts can be written on ----------------------------------
+
+def _spans(dm):
+    """{axis: (stride, stride * size)} for the axes of size > 1: the rank digits each covers."""
+    out, stride = {}, 1
+    for a in reversed(range(len(dm))):
+        if dm[a] > 1:
+            out[a] = (stride, stride * dm[a])
+        stride *= dm[a]
+    return out
+
+
+def _atom_bounds(dm1, dm2):
+    """Sorted digit boundaries of both matrices, or None when they form no divisibility chain."""
+    cuts = {1, prod(dm1)}
+    for dm in (dm1, dm2):
+        for lo, hi in _spans(dm).values():
+            cuts |= {lo, hi}
+    bounds = sorted(cuts)
+    if any(hi % lo for lo, hi in zip(bounds, bounds[1:])):
+        return None
+    return bounds
+
+
+def _on_atoms(layout, bounds, dm, atom_axis):
+    """``layout`` rewritten on matrix ``dm`` whose axis ``atom_axis[j]`` is atom j (major first)."""
+    k = len(bounds) - 1
+    spans = _spans(layout.device_matrix)
+
+    def atoms(a):
+        lo, hi = spans[a]
+        return [atom_axis[j] for j in range(k) if lo <= bounds[k - 1 - j] and bounds[k - j] <= hi]
+
+    tmap = tuple(tuple(x for a in dim for x in atoms(a)) for dim in layout.tensor_map)
+    part = tuple((x, op) for a, op in layout.partial for x in atoms(a))
+    return Layout(dm, tmap, part)
+
+
+def _working_matrix(src, dst, bounds):
+    """The matrix to plan on: src's or dst's when its axes are the atoms (no relabel), else the atoms."""
+    k = len(bounds) - 1
+    sizes = tuple(bounds[k - j] // bounds[k - 1 - j] for j in range(k))
+    for lay in (src, dst):
+        big = [a for a, s in enumerate(lay.device_matrix) if s > 1]
+        if tuple(lay.device_matrix[a] for a in big) == sizes:
+            return lay.device_matrix, big
+    return sizes, list(range(k))
+
+
+# ---- the greedy route on atoms ---------------------------------------------------------------
+
+def _route(b, target):
+    """Appends steps to ``b`` until its layout is ``target`` (same device matrix)."""
+    want = [list(d) for d in target.tensor_map]
+    want_part = dict(target.partial)
+    actions = (_slice, _reduce_scatter, _alltoall, _allreduce, _gather, _zero)
+    for _ in range(1000):  # each action makes progress; the bound only turns a bug into an error
+        if not any(act(b, want, want_part) for act in actions):
+            break
+    assert b.layout == target, f"planner bug: reached {b.layout}, wanted {target}"
+
+
+def _is_prefix(b, want, d):
+    cur = b.tmap[d]
+    return cur == want[d][:len(cur)]
+
+
+def _next_wanted(b, want, d):
+    """The atoms dst wants next on dim d, when d's cuts so far are what dst wants; else []."""
+    return want[d][len(b.tmap[d]):] if _is_prefix(b, want, d) else []
+
+
+def _extras(b, want, d):
+    """Position where dim d's cuts stop agreeing with dst's: the atoms after it must go."""
+    cur, w = b.tmap[d], want[d]
+    p = 0
+    while p < len(cur) and p < len(w) and cur[p] == w[p]:
+        p += 1
+    return p
+
+
+def _free(b, a):
+    return a not in b.part and all(a not in dim for dim in b.tmap)
+
+
+def _slice(b, want, want_part):
+    for d in range(len(want)):
+        run = []
+        for a in _next_wanted(b, want, d):
+            if not _free(b, a):
+                break
+            run.append(a)
+        if run:
+            b.emit("slice", run, dim=d)
+            return True
+    return False
+
+
+def _reduce_scatter(b, want, want_part):
+    for d in range(len(want)):
+        run, op = [], None
+        for a in _next_wanted(b, want, d):
+            if a not in b.part or (op is not None and b.part[a] != op):
+                break
+            run.append(a)
+            op = b.part[a]
+        if run:
+            b.emit("reduce_scatter", run, dim=d, op=op)
+            return True
+    return False
+
+
+def _alltoall(b, want, want_part):
+    best = None
+    for d in range(len(want)):
+        extras = b.tmap[d][_extras(b, want, d):]
+        for e in range(len(want)):
+            nxt = _next_wanted(b, want, e) if e != d else []
+            r = min(len(extras), len(nxt))
+            while r and extras[-r:] != nxt[:r]:
+                r -= 1
+            if r and (best is None or r > best[0]):
+                best = (r, d, e)
+    if best is None:
+        return False
+    r, d, e = best
+    b.emit("alltoall", b.tmap[d][-r:], dim=d, split_dim=e)
+    return True
+
+
+def _allreduce(b, want, want_part):
+    for op in PARTIAL_OPS:
+        axes = [a for a, o in sorted(b.part.items()) if o == op and want_part.get(a) != op]
+        if axes:
+            b.emit("allreduce", axes, op=op)
+            return True
+    return False
+
+
+def _gather(b, want, want_part):
+    for d in range(len(want)):
+        cur = b.tmap[d]
+        p = _extras(b, want, d)
+        if p == len(cur):
+            continue
+        # Gather only the atoms minor to one another dim wants next: an all-to-all then moves it.
+        wanted = {nxt[0] for e in range(len(want)) if e != d for nxt in [_next_wanted(b, want, e)] if nxt}
+        hidden = [i for i in range(p, len(cur)) if cur[i] in wanted]
+        start = hidden[-1] + 1 if hidden else p
+        b.emit("allgather", cur[start:], dim=d)
+        return True
+    return False
+
+
+def _zero(b, want, want_part):
+    for op in PARTIAL_OPS:
+        axes = [a for a, o in sorted(want_part.items()) if o == op and b.part.get(a) != op]
+        if axes:
+            assert all(_free(b, a) for a in axes)
+            b.emit("zero_partial", axes, op=op)
+            return True
+    return False
+
+
+def _smart_steps(src, dst, shape, itemsize, bounds):
+    dm, atom_axis = _working_matrix(src, dst, bounds)
+    src_w, dst_w = _on_atoms(src, bounds, dm, atom_axis), _on_atoms(dst, bounds, dm, atom_axis)
+    b = _Builder(src, shape, itemsize)
+    if src_w != src:
+        b.relabel(src_w)
+    _route(b, dst_w)
+    if dst_w != dst:
+        b.relabel(dst)
+    return b
+
+
+# ---- public entry points ---------------------------------------------------------------------
+
+def _check(src, dst, shape, who):
+    for name, lay in (("src", src), ("dst", dst)):
+        if not isinstance(lay, Layout):
+            raise TypeError(f"{who}: {name} must be a Layout, got {type(lay).__name__}")
+    head = f"{who}: a tensor of shape {shape} cannot move from {src} to {dst}"
+    if src.device_num != dst.device_num:
+        raise ValueError(f"{head}: the layouts have {src.device_num} and {dst.device_num} devices")
+    try:
+        src.check_shape(shape, "src")
+        dst.check_shape(shape, "dst")
+    except ValueError as e:
+        raise ValueError(f"{head}: {e}") from None
+
+
+def _norm_shape(shape):
+    try:
+        return tuple(int(n) for n in shape)
+    except TypeError:
+        raise TypeError(f"plan_redistribution: shape must be a tuple of ints, got {shape!r}") from None
+
+
+def plan_redistribution(src, dst, shape, itemsize=4):
+    """The plan that moves a tensor of global ``shape`` from layout ``src`` to ``dst`` (cached).
+
+    Args:
+        src, dst: Layouts with the same number of devices, both valid for ``shape``.
+        shape: the tensor's global shape.
+        itemsize: bytes per element (for the byte counts only).
+
+    Raises:
+        ValueError naming both layouts and the shape when they cannot describe the same tensor.
+
+    Example:
+        >>> plan = plan_redistribution(Layout((8,), ((0,), ())), Layout((2, 4), ((0,), (1,))), (16, 32))
+        >>> plan.num_collectives, plan.steps[-1].kind
+        (1, 'alltoall')
+    """
+    return _plan(src, dst, _norm_shape(shape), int(itemsize))
+
+
+@lru_cache(maxsize=4096)
+def _plan(src, dst, shape, itemsize):
+    _check(src, dst, shape, "plan_redistribution")
+    if src == dst:
+        return Plan(src, dst, shape, (), itemsize)
+    naive = _naive_steps(src, dst, shape, itemsize)
+    bounds = _atom_bounds(src.device_matrix, dst.device_matrix)
+    best = naive
+    if bounds is not None:
+        smart = _smart_steps(src, dst, shape, itemsize, bounds)
+        if smart.bytes <= naive.bytes:
+            best = smart
+    return Plan(src, dst, shape, tuple(best.steps), itemsize)
+
+
+def naive_bytes(src, dst, shape, itemsize=4):
+    """Bytes per rank of the naive route (all-reduce, all-gather to replicated, slice): an upper bound."""
+    shape = _norm_shape(shape)
+    _check(src, dst, shape, "naive_bytes")
+    return _naive_steps(src, dst, shape, int(itemsize)).bytes

@@ -1,0 +1,185 @@
+"""What a sharding rule is, and the helpers every rule shares.
+
+A rule knows, for one primitive (looked up by class name), how a strategy turns into layouts:
+
+    rule.infer(prim, args, strategy, device_num)  -> OpSharding or Decomposed
+    rule.data_parallel(prim, args, device_num)     -> strategy   (SEMI_AUTO: ops without one)
+    rule.propagate(prim, args, layouts, device_num) -> strategy  (AUTO: follow the inputs)
+
+``args`` are the primitive's positional arguments with every Tensor replaced by a
+:class:`TensorSpec` (its GLOBAL shape, dtype, whether it is a Parameter); other arguments
+(axis, shape, dtype ...) are passed as given. ``strategy`` has one tuple of cuts per tensor
+argument, in order. ``layouts`` (propagate) are the current layouts of the tensor arguments.
+
+A rule raises :class:`StrategyError` with the rule that was broken ("dimension 1 of input 0
+has size 30, not divisible by its cut 4"); the dispatcher adds the operator, its Cell path,
+the input shapes, the strategy and device_num to the message.
+"""
+from dataclasses import dataclass, field
+from math import prod
+
+from ..layout import Layout
+
+__all__ = ["TensorSpec", "OpSharding", "Decomposed", "StrategyError", "NoRuleError", "Rule", "RULES", "register",
+           "get_rule", "device_matrix_for", "tensor_specs", "check_strategy_shape", "largest_cut"]
+
+
+class StrategyError(ValueError):
+    """A strategy that breaks a sharding rule (raised identically on every rank, before any communication)."""
+
+
+class NoRuleError(NotImplementedError):
+    """An operator with no sharding rule was used in a (semi-)auto parallel network."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a rule sees of a tensor argument: its global (logical) shape and dtype."""
+
+    shape: tuple
+    dtype: object
+    is_parameter: bool = False
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class OpSharding:
+    """How one call of an operator runs under a strategy.
+
+    Attributes:
+        strategy: the strategy (one tuple of cuts per tensor argument).
+        in_layouts: the layout each tensor argument must have (never partial).
+        out_layout: the layout of what the local computation returns (may be partial:
+            MatMul with K cut returns partial sums over K's axis).
+        repeat_axes: device-matrix axes along which every rank repeats the same computation
+            (strategy uses fewer devices than device_num). Gradients of inputs are partial
+            over the axes of ``out_layout.device_matrix`` that neither cut the input nor
+            repeat; the dispatcher reduces them.
+        localize: None, or ``localize(coords, args) -> args``: rewrites the positional
+            arguments for the local call, given this rank's coordinates in the device matrix
+            and ``args`` with tensor positions holding the LOCAL ndarrays (Reshape's target
+            shape becomes the local shape; OneHot's depth and indices move to the rank's
+            class block). Must not change tensor positions' shapes.
+        local_attrs: attributes to override on the primitive for the local call (Conv2D's
+            out_channel becomes the local number of output channels), or None.
+    """
+
+    strategy: tuple
+    in_layouts: tuple
+    out_layout: Layout
+    repeat_axes: tuple = ()
+    localize: object = field(default=None, compare=False)
+    local_attrs: object = field(default=None, compare=False)
+
+    @property
+    def device_matrix(self):
+        return self.out_layout.device_matrix
+
+
+@dataclass(frozen=True)
+class Decomposed:
+    """The op runs as a composition of sharded ops instead: ``fn(*args)`` with the original args.
+
+    Used where the local op alone cannot give the right answer (Softmax over a cut class axis
+    needs a global max and sum). ``fn`` calls primitives with explicit ``.shard()``
+    strategies, so it behaves the same in SEMI_AUTO and AUTO modes; their gradients come from
+    the primitives'.
+    """
+
+    fn: object
+    description: str = ""
+
+
+class Rule:
+    """Base of sharding rules; subclasses override ``infer`` and usually the other two."""
+
+    def infer(self, prim, args, strategy, device_num):
+        raise NotImplementedError
+
+    def data_parallel(self, prim, args, device_num):
+        """Default: cut dimension 0 of every non-Parameter tensor argument of rank >= 1."""
+        specs = tensor_specs(args)
+        out = []
+        for s in specs:
+            if s.ndim == 0 or s.is_parameter:
+                out.append((1,) * s.ndim)
+            else:
+                out.append((largest_cut(s.shape[0], device_num),) + (1,) * (s.ndim - 1))
+        return tuple(out)
+
+    def propagate(self, prim, args, layouts, device_num):
+        """Default: each input keeps its current cuts (partial axes give no cut)."""
+        return tuple(lay.cuts() for lay in layouts)
+
+
+RULES = {}
+
+
+def register(*names):
+    """Class decorator: ``@register("MatMul")`` makes an instance the rule of those primitives."""
+    def deco(cls):
+        inst = cls()
+        for n in names:
+            RULES[n] = inst
+        return cls
+    return deco
+
+
+def get_rule(prim):
+    """The rule of a primitive (by class name, then its bases), or raises NoRuleError naming it."""
+    for klass in type(prim).__mro__:
+        rule = RULES.get(klass.__name__)
+        if rule is not None:
+            return rule
+    raise NoRuleError(f"{prim.name} has no sharding rule, so it cannot run in SEMI_AUTO_PARALLEL / AUTO_PARALLEL "
+                      f"mode; operators with rules: {', '.join(sorted(RULES))}")
+
+
+def tensor_specs(args):
+    return tuple(a for a in args if isinstance(a, TensorSpec))
+
+
+def largest_cut(n, device_num):
+    """The largest cut <= device_num that divides both n and device_num (data-parallel defaults)."""
+    for c in range(min(n, device_num), 0, -1):
+        if n % c == 0 and device_num % c == 0:
+            return c
+    return 1
+
+
+def device_matrix_for(cuts, device_num):
+    """The device matrix of an op whose computation is cut by ``cuts`` (one per loop dimension).
+
+    When the cuts use fewer than device_num devices, a repeat axis of size
+    ``device_num // prod(cuts)`` goes first (MindSpore's convention) and every rank along it
+    repeats the computation. Returns ``(device_matrix, offset, repeat_axes)``: loop dimension
+    i is device axis ``i + offset``.
+    """
+    used = prod(cuts)
+    if used > device_num:
+        raise StrategyError(f"the strategy uses {used} devices (product of the cuts {tuple(cuts)}), more than "
+                            f"device_num {device_num}")
+    if device_num % used:
+        raise StrategyError(f"the strategy uses {used} devices (product of the cuts {tuple(cuts)}), which does not "
+                            f"divide device_num {device_num}")
+    if used == device_num:
+        return tuple(cuts), 0, ()
+    return (device_num // used,) + tuple(cuts), 1, (0,)
+
+
+def check_strategy_shape(strategy, args):
+    """Checks one tuple per tensor argument, one cut per dimension, every cut dividing its dimension."""
+    specs = tensor_specs(args)
+    if len(strategy) != len(specs):
+        raise StrategyError(f"the strategy has {len(strategy)} tuple(s) but the operator takes {len(specs)} tensor "
+                            f"input(s)")
+    for i, (s, spec) in enumerate(zip(strategy, specs)):
+        if len(s) != spec.ndim:
+            raise StrategyError(f"input {i} has rank {spec.ndim} (shape {spec.shape}) but its strategy {tuple(s)} "
+                                f"has {len(s)} cut(s)")
+        for d, (c, n) in enumerate(zip(s, spec.shape)):
+            if n % c:
+                raise StrategyError(f"dimension {d} of input {i} has size {n}, not divisible by its cut {c}")

@@ -1,0 +1,207 @@
+"""The dispatcher's contract: errors before communication, sharded parameters, checkpoints, explain."""
+import numpy as np
+import pytest
+
+import minidl
+from minidl import nn, ops, Parameter, Tensor
+from minidl.dataset import NumpySlicesDataset
+from minidl.train import Callback, Model
+from minidl_parallel.comm.threads import run_threads
+from minidl_parallel.tensor_parallel import CommCounter, StrategyError, NoRuleError, explain, get_layout
+from minidl_parallel.tensor_parallel.dispatch import full_value
+
+F64 = minidl.float64
+
+
+class Dense(nn.Cell):
+    def __init__(self, w, b):
+        super().__init__()
+        self.weight = Parameter(w)
+        self.bias = Parameter(b)
+        self.matmul = ops.MatMul()
+        self.add = ops.Add()
+
+    def construct(self, x):
+        return self.add(self.matmul(x, self.weight), self.bias)
+
+
+class FFN(nn.Cell):
+    def __init__(self, seed=0):
+        super().__init__()
+        rng = np.random.default_rng(seed)
+        self.dense1 = Dense(rng.standard_normal((32, 16)) / 6, rng.standard_normal(16))
+        self.relu = ops.ReLU()
+        self.dense2 = Dense(rng.standard_normal((16, 16)) / 4, rng.standard_normal(16))
+
+    def construct(self, x):
+        return self.dense2(self.relu(self.dense1(x)))
+
+
+def _data(batch=16):
+    rng = np.random.default_rng(7)
+    return rng.standard_normal((batch, 32)), rng.standard_normal((batch, 16))
+
+
+def _on_ranks(n, fn, mode="auto_parallel", **settings):
+    """Runs fn() on n thread-ranks in ``mode``; returns each rank's result or exception."""
+    def body():
+        import minidl_parallel as mp
+        mp.set_auto_parallel_context(parallel_mode=mode, **settings)
+        try:
+            return fn()
+        except Exception as e:  # every rank must raise the same error, none may hang
+            return e
+        finally:
+            mp.reset_auto_parallel_context()
+    return run_threads(n, body, timeout=60)
+
+
+def _local_x(x):
+    import minidl_parallel as mp
+    n, r = mp.get_group_size(), mp.get_rank()
+    b = x.shape[0] // n
+    return Tensor(x[r * b:(r + 1) * b])
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+def test_bad_strategy_names_operator_path_shapes_strategy_and_rule_on_every_rank():
+    x, _ = _data()
+
+    def fn():
+        net = FFN()
+        net.dense1.matmul.shard(((3, 1), (1, 1)))
+        with CommCounter() as c:
+            try:
+                net(_local_x(x))
+            finally:
+                assert c.count() == 0  # validated before any communication
+    errors = _on_ranks(8, fn)
+    assert all(isinstance(e, StrategyError) for e in errors), errors
+    msg = str(errors[0])
+    for part in ("MatMul (dense1.matmul)", "(16, 32)", "(32, 16)", "((3, 1), (1, 1))", "device_num 8",
+                 "not divisible"):
+        assert part in msg, msg
+    assert len({str(e) for e in errors}) == 1
+
+
+def test_operator_without_rule_says_so_by_name():
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.drop = ops.Dropout(keep_prob=0.5)
+
+        def construct(self, x):
+            return self.drop(x)
+    errors = _on_ranks(2, lambda: Net()(Tensor(np.ones((4, 4)))))
+    assert all(isinstance(e, NoRuleError) for e in errors)
+    assert "Dropout (drop)" in str(errors[0]) and "no sharding rule" in str(errors[0])
+
+
+def test_parameter_shared_by_two_operators_with_different_strategies_is_an_error():
+    class Tied(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w = Parameter(np.ones((8, 8)), name="w")
+            self.mm1 = ops.MatMul().shard(((1, 2), (2, 1)))
+            self.mm2 = ops.MatMul().shard(((1, 1), (1, 2)))
+
+        def construct(self, x):
+            return self.mm2(self.mm1(x, self.w), self.w)
+    errors = _on_ranks(2, lambda: Tied()(Tensor(np.ones((4, 8)))), dataset_strategy="full_batch")
+    assert all(isinstance(e, StrategyError) for e in errors), errors
+    msg = str(errors[0])
+    assert "'w'" in msg and "MatMul (mm1)" in msg and "MatMul (mm2)" in msg and "same strategy" in msg
+
+
+def test_device_num_must_equal_world_size():
+    errors = _on_ranks(2, lambda: FFN()(Tensor(np.ones((4, 32)))), device_num=4)
+    assert all(isinstance(e, ValueError) and "device_num is 4" in str(e) for e in errors), errors
+
+
+# ---- parameters, optimizer state, checkpoints -------------------------------------------------
+
+class Losses(Callback):
+    def __init__(self):
+        self.values = []
+
+    def on_train_step_end(self, run_context):
+        self.values.append(float(run_context.original_args().net_outputs.asnumpy()))
+
+
+def _train(net, x, y, steps, batch):
+    losses = Losses()
+    ds = NumpySlicesDataset({"data": x, "label": y}, shuffle=False).batch(batch)
+    opt = nn.Momentum(net.trainable_params(), 0.1, 0.9)
+    Model(net, nn.MSELoss(), opt).train(1, ds.take(steps) if hasattr(ds, "take") else ds, callbacks=[losses])
+    return losses.values, opt
+
+
+def test_model_train_losses_parameters_and_optimizer_state_equal_single_device(tmp_path):
+    x, y = _data(32)
+    ref_net = FFN()
+    ref_losses, ref_opt = _train(ref_net, x, y, 2, 16)
+    ref_moments = {k: v.asnumpy() for k, v in ref_opt.parameters_and_names() if k.startswith("moments")}
+
+    def fn():
+        import minidl_parallel as mp
+        net = FFN()
+        net.dense1.matmul.shard(((2, 2), (2, 1)))
+        losses, opt = _train(net, x, y, 2, 16 // mp.get_group_size())
+        assert net.dense1.weight.data.shape == (16, 16)  # its block of (32, 16): K cut in 2
+        assert opt.state_dict()["moments.dense1.weight"].data.shape == (16, 16)  # the state follows the block
+        path = tmp_path / f"rank{mp.get_rank()}.ckpt"
+        minidl.save_checkpoint(net, str(path))
+        opt_path = tmp_path / f"opt{mp.get_rank()}.ckpt"
+        minidl.save_checkpoint(opt, str(opt_path))
+        return losses, {p.name: np.array(full_value(p)) for p in net.trainable_params()}, str(path), str(opt_path)
+    for losses, params, path, opt_path in _on_ranks(4, fn):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
+        saved = minidl.load_checkpoint(path)
+        for p in ref_net.trainable_params():
+            np.testing.assert_allclose(params[p.name], p.asnumpy(), rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(saved[p.name].asnumpy(), p.asnumpy(), rtol=1e-10, atol=1e-12)
+        meta = minidl.load_checkpoint_metadata(path)
+        assert meta["layout.dense1.weight"] == "(b, -) on [2, 2, 1]"
+        opt_saved = minidl.load_checkpoint(opt_path)
+        for k, v in ref_moments.items():
+            np.testing.assert_allclose(opt_saved[k].asnumpy(), v, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("load_before_first_use", [True, False])
+def test_checkpoint_loads_into_another_strategy_and_world_size(tmp_path, load_before_first_use):
+    x, _ = _data()
+    trained = FFN(seed=5)  # the values to carry over
+    path = str(tmp_path / "full.ckpt")
+    minidl.save_checkpoint(trained, path)
+    expected = trained(Tensor(x)).asnumpy()
+
+    def fn():
+        net = FFN(seed=9)
+        net.dense2.matmul.shard(((1, 2), (2, 1)))
+        if not load_before_first_use:
+            net(_local_x(x))  # parameters become blocks first
+        minidl.load_param_into_net(net, minidl.load_checkpoint(path))
+        return np.array(full_value(net(_local_x(x))))
+    for out in _on_ranks(2, fn):
+        np.testing.assert_allclose(out, expected, rtol=1e-10)
+
+
+# ---- explain ----------------------------------------------------------------------------------
+
+def test_explain_prints_strategies_layouts_and_steps():
+    x, _ = _data()
+
+    def fn():
+        net = FFN()
+        net.dense1.matmul.shard(((2, 4), (4, 1)))
+        text = explain(net, _local_x(x), rank0_only=False)
+        return text, get_layout(net.dense1.weight)[0]
+    results = _on_ranks(8, fn)
+    text, layout = results[0]
+    assert all(r[0] == text for r in results)
+    assert "MatMul (dense1.matmul)  strategy ((2, 4), (4, 1)) [shard]" in text
+    assert "parameter placed as (b, -) on [2, 4, 1]: block (8, 16)" in text
+    assert "ReLU (relu)" in text and "[propagated]" in text
+    assert "alltoall" in text and "reduce_scatter" in text
+    assert str(layout) == "(b, -) on [2, 4, 1]"

@@ -1,0 +1,44 @@
+"""Tensor parallelism under real mpirun (mpi backend): random chains and the quickstart example."""
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_mpirun_training import ROOT, mpirun  # noqa: E402
+from test_equivalence import chains  # noqa: E402
+
+
+@pytest.mark.parametrize("n", [4, 8])
+@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_chains_equal_single_device_under_mpirun(n, data, tmp_path_factory):
+    cases = [data.draw(chains(worlds=(n,)))[1:] for _ in range(6)]
+    path = tmp_path_factory.mktemp("chains") / "cases.json"
+    path.write_text(json.dumps(cases))
+    proc = mpirun(n, ROOT / "tests" / "mpi" / "tensor_parallel_chain.py", path, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank")) == \
+        [f"rank {r}: ok" for r in range(n)]
+
+
+def _losses(text):
+    return [float(v) for v in re.findall(r"loss is ([-0-9.e]+)", text)]
+
+
+def test_quickstart_example_under_mpirun_8_equals_single_device():
+    single = mpirun(1, ROOT / "examples" / "parallel_quickstart.py", "--single", timeout=120)
+    assert single.returncode == 0, single.stdout + single.stderr
+    ref = _losses(single.stdout)
+    assert len(ref) == 20  # 5 epochs of 4 steps
+    proc = mpirun(8, ROOT / "examples" / "parallel_quickstart.py", "--explain", timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = _losses(proc.stdout)
+    assert len(got) == 8 * 20  # every rank prints every step
+    by_step = sorted(zip(re.findall(r"epoch: (\d+) step: (\d+), loss is", proc.stdout), got))
+    for (_, value), expected in zip(by_step, [v for v in ref for _ in range(8)]):
+        assert abs(value - expected) <= 1e-4 * max(1.0, abs(expected))
+    assert "dense1.matmul" in proc.stdout and "((2, 4), (4, 1))" in proc.stdout

@@ -1,4 +1,4 @@
-"""minidl_parallel: distributed training for minidl (communicators, data parallel).
+"""minidl_parallel: distributed training for minidl (communicators, data parallel, tensor parallel).
 
 minidl never imports this package; it plugs in through minidl's registries when ``init()``
 runs. Before ``init()`` (or without mpirun) the world is one process: ``get_rank()`` is 0
@@ -16,9 +16,12 @@ from .context import (init, release, get_rank, get_group_size, get_local_rank, g
 from .grad_reducer import DistributedGradReducer
 from .collectives import AllReduce, AllGather, ReduceScatter, Broadcast
 from .sync_batchnorm import SyncBatchNorm
+from .tensor_parallel import (Layout, CommCounter, explain, StrategyError, NoRuleError, redistribute, full_value,
+                              get_layout)
 from . import ops, nn
 
 __all__ = ["init", "release", "get_rank", "get_group_size", "get_local_rank", "get_local_rank_size",
            "get_communicator", "is_initialized", "ParallelMode", "set_auto_parallel_context",
            "get_auto_parallel_context", "reset_auto_parallel_context", "launched_under_mpi", "DistributedGradReducer",
-           "AllReduce", "AllGather", "ReduceScatter", "Broadcast", "SyncBatchNorm", "ops", "nn"]
+           "AllReduce", "AllGather", "ReduceScatter", "Broadcast", "SyncBatchNorm", "Layout", "CommCounter", "explain",
+           "StrategyError", "NoRuleError", "redistribute", "full_value", "get_layout", "ops", "nn"]

@@ -24,7 +24,7 @@ import threading
 
 from minidl.nn import cell as cell_module
 from minidl.ops import primitive as primitive_module
-from minidl.tensor import Parameter, Tensor, set_shape_hook
+from minidl.tensor import Parameter, Tensor, is_grad_enabled, set_shape_hook
 
 from . import counter
 from .explain import recording
@@ -140,16 +140,17 @@ def _choose_strategy(prim, rule, spec_args, specs, current, settings, device_num
 def _run_sharded(prim, args, comm, settings, device_num):
     positions = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
     current, specs = [], []
+    grad = is_grad_enabled()
     for i in positions:
         a = args[i]
         entry = get_layout(a)
         if entry is None and isinstance(a, Parameter):
             current.append(None)  # not placed yet: whole on every rank
-            specs.append(TensorSpec(tuple(a.shape), a.dtype, True))
+            specs.append(TensorSpec(tuple(a.shape), a.dtype, True, grad and a.requires_grad))
         else:
             cur = entry if entry is not None else layout_of(a, device_num)
             current.append(cur)
-            specs.append(TensorSpec(cur[1], a.dtype, isinstance(a, Parameter)))
+            specs.append(TensorSpec(cur[1], a.dtype, isinstance(a, Parameter), grad and a.requires_grad))
     spec_args = list(args)
     for i, s in zip(positions, specs):
         spec_args[i] = s
@@ -311,20 +312,20 @@ def _alias(tensor):
 
 def full_value(tensor):
     """The whole logical value of ``tensor`` as an array on every rank (every rank must call it)."""
-    comm, groups = _world()
     entry = get_layout(tensor)
     if entry is None:
         return tensor.data
+    comm, groups = _world()
     from .executor import gather_full
     return gather_full(tensor.data, entry[0], entry[1], comm, groups)
 
 
 def gather_like(value, like):
     """The whole value of ``value`` (a Tensor or array laid out as tensor ``like``: a gradient)."""
-    comm, groups = _world()
     array = value.data if isinstance(value, Tensor) else value
     entry = get_layout(like)
     if entry is None:
         return array
+    comm, groups = _world()
     from .executor import gather_full
     return gather_full(array, entry[0].without_partial(), entry[1], comm, groups)

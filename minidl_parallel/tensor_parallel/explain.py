@@ -44,12 +44,14 @@ class Recorder:
             if have is None:
                 lines.append(f"  in {k}  {spec.shape}  {kind} placed as {need}: block {need.local_shape(spec.shape)}")
                 continue
-            if plan is None or not plan.steps:
+            if plan is None or not plan.moves_data:
                 lines.append(f"  in {k}  {spec.shape}  {need}: no communication")
                 continue
             lines.append(f"  in {k}  {spec.shape}  {have} -> {need}: {plan.num_collectives} collective(s), "
                          f"{plan.bytes_per_rank} B/rank")
-            lines.append(_indent(str(plan), "        "))
+            # Relabels only rename device axes between matrices ([2, 4, 1] -> [2, 4]): not worth a line.
+            steps = [str(step) for step in plan.steps if step.kind != "relabel"]
+            lines.append(_indent("\n".join(steps), "        "))
         lines.append(f"  out   {out_shape}  {sharding.out_layout}: block {out_local}")
         self.blocks.append("\n".join(lines))
 

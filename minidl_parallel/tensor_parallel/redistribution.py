@@ -393,16 +393,21 @@ def _allreduce(b, want, want_part):
     return False
 
 
+def _ends_a_wanted_run(cur, p, q, nxt):
+    """Whether cur[q - r + 1 : q + 1] == nxt[:r] for some r >= 1 inside the extras (from p)."""
+    return any(cur[q + 1 - r:q + 1] == nxt[:r] for r in range(1, min(q + 1 - p, len(nxt)) + 1))
+
+
 def _gather(b, want, want_part):
     for d in range(len(want)):
         cur = b.tmap[d]
         p = _extras(b, want, d)
         if p == len(cur):
             continue
-        # Gather only the atoms minor to one another dim wants next: an all-to-all then moves it.
-        wanted = {nxt[0] for e in range(len(want)) if e != d for nxt in [_next_wanted(b, want, e)] if nxt}
-        hidden = [i for i in range(p, len(cur)) if cur[i] in wanted]
-        start = hidden[-1] + 1 if hidden else p
+        # Gather only the atoms minor to a run another dim wants next: an all-to-all then moves the run.
+        others = [_next_wanted(b, want, e) for e in range(len(want)) if e != d]
+        start = next((q + 1 for q in range(len(cur) - 2, p - 1, -1)
+                      if any(_ends_a_wanted_run(cur, p, q, nxt) for nxt in others if nxt)), p)
         b.emit("allgather", cur[start:], dim=d)
         return True
     return False

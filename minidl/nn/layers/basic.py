@@ -98,6 +98,22 @@ class Dense(Cell):
             x = self.reshape(x, tuple(shape[:-1]) + (self.out_channels,))
         return x
 
+    def shard(self, strategy):
+        """Tensor parallelism: the MatMul's strategy, the bias following its output cut. Returns self.
+
+        The weight is stored (out_channels, in_channels), so ``strategy`` is
+        ``((batch cut, in cut), (out cut, in cut))``: ``((dp, 1), (mp, 1))`` is column-parallel
+        (each rank computes mp-th of the outputs), ``((dp, mp), (1, mp))`` row-parallel (each
+        rank a partial sum over its slice of the inputs).
+
+        Example:
+            >>> fc = nn.Dense(32, 16).shard(((2, 1), (4, 1)))      # 8 ranks: batch in 2, outputs in 4
+        """
+        self.matmul.shard(strategy)
+        batch, out = self.matmul.in_strategy[0][0], self.matmul.in_strategy[1][0]
+        self.bias_add.shard(((batch, out), (out,)))
+        return self
+
     def extend_repr(self):
         s = f"input_channels={self.in_channels}, output_channels={self.out_channels}, has_bias={self.has_bias}"
         if self.activation is not None:

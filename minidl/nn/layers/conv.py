@@ -102,6 +102,20 @@ class Conv2d(Cell):
             y = self.bias_add(y, self.bias)
         return y
 
+    def shard(self, strategy):
+        """Tensor parallelism: the Conv2D's strategy, the bias following its output cut. Returns self.
+
+        ``strategy`` is ``((n, c_in, 1, 1), (c_out, c_in, 1, 1))``: cuts of the batch, the input
+        channels (partial sums over them) and the output channels; H and W cannot be cut.
+
+        Example:
+            >>> conv = nn.Conv2d(16, 32, 3).shard(((2, 1, 1, 1), (4, 1, 1, 1)))   # 8 ranks
+        """
+        self.conv2d.shard(strategy)
+        batch, out = self.conv2d.in_strategy[0][0], self.conv2d.in_strategy[1][0]
+        self.bias_add.shard(((batch, out, 1, 1), (out,)))
+        return self
+
     def extend_repr(self):
         s = (f"input_channels={self.in_channels}, output_channels={self.out_channels}, "
              f"kernel_size={self.kernel_size}, stride={self.stride}, pad_mode={self.pad_mode}")

@@ -39,6 +39,7 @@ class TensorSpec:
     shape: tuple
     dtype: object
     is_parameter: bool = False
+    requires_grad: bool = True  # False: no gradient will flow to it (cheaper rules may apply)
 
     @property
     def ndim(self):

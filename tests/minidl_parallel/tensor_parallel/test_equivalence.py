@@ -117,3 +117,78 @@ def test_quickstart_network_equals_single_device(mode):
 @given(case=chains())
 def test_random_chain_equals_single_device(case):
     check(*case)
+
+
+# ---- a small CNN: Conv2d and Dense cells passing strategies to their primitives ----------------
+
+def _cnn():
+    import minidl
+    from minidl import nn
+    f64 = minidl.float64
+    return nn.SequentialCell(nn.Conv2d(4, 4, 3, pad_mode="pad", padding=1, has_bias=True, dtype=f64), nn.ReLU(),
+                             nn.MaxPool2d(2, 2), nn.Conv2d(4, 8, 1, has_bias=True, dtype=f64), nn.Tanh(),
+                             nn.Flatten(), nn.Dense(32, 4, dtype=f64))
+
+
+def _cnn_run(strategies, x, y, init, steps=2):
+    """Two Momentum steps of the CNN; returns (losses, output of step 1, parameters by name), gathered."""
+    import minidl
+    from minidl import Tensor, nn
+    from minidl_parallel.tensor_parallel.dispatch import full_value
+    net = _cnn()
+    minidl.load_param_into_net(net, {k: v.copy() for k, v in init.items()})
+    if strategies is not None:
+        net[0].shard(strategies[0])
+        net[3].shard(strategies[1])
+        net[6].shard(strategies[2])
+    loss_fn = nn.MSELoss()
+    params = net.trainable_params()
+    opt = nn.Momentum(params, 0.05, 0.9)
+
+    def forward(a, b):
+        out = net(a)
+        return loss_fn(out, b), out
+    grad_fn = minidl.value_and_grad(forward, None, params, has_aux=True)
+    losses, first = [], None
+    for _ in range(steps):
+        (loss, out), grads = grad_fn(Tensor(x), Tensor(y))
+        losses.append(float(loss.asnumpy()))
+        first = np.array(full_value(out)) if first is None else first
+        opt(grads)
+    return losses, first, {p.name: np.array(full_value(p)) for p in params}, tuple(net[0].weight.data.shape)
+
+
+@st.composite
+def cnn_strategies(draw):
+    n = draw(st.sampled_from([2, 4]))
+    b, ci, co = draw(_cuts([8, 4, 4], n))
+    b2, ci2, co2 = draw(_cuts([8, 4, 8], n))
+    b3, k3, o3 = draw(_cuts([8, 32, 4], n))
+    return n, (((b, ci, 1, 1), (co, ci, 1, 1)), ((b2, ci2, 1, 1), (co2, ci2, 1, 1)), ((b3, k3), (o3, k3)))
+
+
+@settings(max_examples=2 * settings.default.max_examples, deadline=None)
+@given(case=cnn_strategies())
+def test_cnn_with_sharded_conv_and_dense_cells_equals_single_device(case):
+    import minidl
+    n, strategies = case
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((8, 4, 4, 4)), rng.standard_normal((8, 4))
+    minidl.set_seed(0)
+    init = {name: p.asnumpy().copy() for name, p in _cnn().parameters_and_names()}
+    ref = _cnn_run(None, x, y, init)
+
+    def rank():
+        import minidl_parallel as mp
+        mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="full_batch")
+        try:
+            return _cnn_run(strategies, x, y, init)
+        finally:
+            mp.reset_auto_parallel_context()
+    for losses, out, params, block in run_threads(n, rank):
+        co, ci = strategies[0][1][:2]
+        assert block == (4 // co, 4 // ci, 3, 3)  # each rank holds its block of the first kernel
+        np.testing.assert_allclose(losses, ref[0], rtol=1e-10)
+        np.testing.assert_allclose(out, ref[1], rtol=1e-10, atol=1e-12)
+        for name, value in ref[2].items():
+            np.testing.assert_allclose(params[name], value, rtol=1e-10, atol=1e-12, err_msg=name)

@@ -8,10 +8,6 @@ invariant the dispatcher keeps (summed over the axes that neither cut an input n
 Both must equal the single-device op.
 """
 import copy
-import os
-import sys
-import types
-
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -20,17 +16,8 @@ import minidl
 from minidl import ops
 from minidl.tensor import Tensor
 
-try:
-    import minidl_parallel.tensor_parallel  # noqa: F401
-except ImportError:  # the dispatcher's own modules are written alongside the rules (issue 5)
-    import minidl_parallel
-    _pkg = types.ModuleType("minidl_parallel.tensor_parallel")
-    _pkg.__path__ = [os.path.join(os.path.dirname(minidl_parallel.__file__), "tensor_parallel")]
-    sys.modules["minidl_parallel.tensor_parallel"] = _pkg
-
-from minidl_parallel.tensor_parallel.layout import Layout  # noqa: E402
-from minidl_parallel.tensor_parallel.rules import (Decomposed, OpSharding, StrategyError,  # noqa: E402
-                                                   TensorSpec, get_rule)
+from minidl_parallel.tensor_parallel.layout import Layout
+from minidl_parallel.tensor_parallel.rules import Decomposed, OpSharding, StrategyError, TensorSpec, get_rule
 
 F64 = np.dtype(np.float64)
 
@@ -43,8 +30,8 @@ def infer(prim, args, strategy, device_num):
     return get_rule(prim).infer(prim, tuple(args), strategy, device_num)
 
 
-def spec_args(args, positions, params=()):
-    return tuple(spec(a.shape, i in params, a.dtype) if i in positions else a for i, a in enumerate(args))
+def spec_args(args, positions):
+    return tuple(spec(a.shape, dtype=a.dtype) if i in positions else a for i, a in enumerate(args))
 
 
 def simulate(prim, args, positions, strategy, device_num, grad=True, seed=0):

@@ -5,10 +5,6 @@ are ignored and each primitive runs on the whole tensor, so the composition must
 plain op's forward and gradients (float64; ReduceMax and ReduceMin with ties, where the
 gradient is split evenly among tied extrema).
 """
-import os
-import sys
-import types
-
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -19,15 +15,7 @@ from minidl.tensor import Tensor
 from minidl.testing import check_op
 from minidl.testing.strategies import arrays
 
-try:
-    import minidl_parallel.tensor_parallel  # noqa: F401
-except ImportError:  # the dispatcher's own modules are written alongside the rules (issue 5)
-    import minidl_parallel
-    _pkg = types.ModuleType("minidl_parallel.tensor_parallel")
-    _pkg.__path__ = [os.path.join(os.path.dirname(minidl_parallel.__file__), "tensor_parallel")]
-    sys.modules["minidl_parallel.tensor_parallel"] = _pkg
-
-from minidl_parallel.tensor_parallel.rules import Decomposed, TensorSpec, get_rule  # noqa: E402
+from minidl_parallel.tensor_parallel.rules import Decomposed, TensorSpec, get_rule
 
 
 def decomposed(prim, args, strategy, device_num=8):

@@ -137,6 +137,31 @@ def _choose_strategy(prim, rule, spec_args, specs, current, settings, device_num
     return rule.data_parallel(prim, spec_args, device_num), "data parallel"
 
 
+def _decide(prim, rule, spec_args, specs, current, settings, device_num):
+    """(strategy, origin, sharding) of a call, cached on the primitive per call signature.
+
+    A network calls the same primitives with the same shapes and layouts every step, and
+    rules are pure functions of those, so each decision is made once.
+    """
+    key = (settings["parallel_mode"], prim.in_strategy, spec_args,
+           tuple(None if c is None else c[0] for c in current), device_num)
+    cache = prim.__dict__.setdefault("_sharding_cache", {})
+    try:
+        hit = cache.get(key)
+    except TypeError:  # an unhashable argument (a list, an array): decide every time
+        key, hit = None, None
+    if hit is None:
+        strategy, origin = _choose_strategy(prim, rule, spec_args, specs, current, settings, device_num)
+        try:
+            hit = (strategy, origin, rule.infer(prim, spec_args, strategy, device_num))
+        except StrategyError as e:
+            e.strategy, e.origin = strategy, origin  # for the caller's message
+            raise
+        if key is not None:
+            cache[key] = hit
+    return hit
+
+
 def _run_sharded(prim, args, comm, settings, device_num):
     positions = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
     current, specs = [], []
@@ -161,9 +186,9 @@ def _run_sharded(prim, args, comm, settings, device_num):
         raise NoRuleError(f"{_who(prim)}: {e}") from None
     strategy = origin = None
     try:
-        strategy, origin = _choose_strategy(prim, rule, spec_args, specs, current, settings, device_num)
-        sharding = rule.infer(prim, spec_args, strategy, device_num)
+        strategy, origin, sharding = _decide(prim, rule, spec_args, specs, current, settings, device_num)
     except StrategyError as e:
+        strategy, origin = getattr(e, "strategy", prim.in_strategy), getattr(e, "origin", None)
         shapes = ", ".join(str(s.shape) for s in specs)
         raise StrategyError(f"{_who(prim)}: inputs of shapes {shapes}, strategy {strategy} ({origin}), "
                             f"device_num {device_num}: {e}") from None

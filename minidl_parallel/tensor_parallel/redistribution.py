@@ -32,6 +32,8 @@ Example:
 """
 from dataclasses import dataclass
 from functools import lru_cache
+from heapq import heappop, heappush
+from itertools import combinations, count, permutations
 from math import prod
 
 from .layout import PARTIAL_OPS, Layout, axis_name
@@ -177,8 +179,27 @@ class Plan:
 
 # ---- building steps -------------------------------------------------------------------------
 
+def _after(layout, kind, axes, dim=None, split_dim=None, op=None):
+    """The layout a step leaves (the one place that says what each kind does to a layout)."""
+    tmap = [list(d) for d in layout.tensor_map]
+    part = dict(layout.partial)
+    if kind in ("allgather", "alltoall"):
+        assert tuple(tmap[dim][-len(axes):]) == tuple(axes), (layout, kind, axes, dim)
+        del tmap[dim][-len(axes):]
+    if kind in ("allreduce", "reduce_scatter"):
+        for a in axes:
+            del part[a]
+    if kind == "zero_partial":
+        part.update((a, op) for a in axes)
+    if kind in ("slice", "reduce_scatter"):
+        tmap[dim] += axes
+    if kind == "alltoall":
+        tmap[split_dim] += axes
+    return Layout(layout.device_matrix, tuple(tuple(d) for d in tmap), tuple(part.items()))
+
+
 class _Builder:
-    """The working layout as mutable lists, and the steps that led to it."""
+    """A plan under construction: the steps so far and the working layout they reach."""
 
     def __init__(self, layout, shape, itemsize):
         self.shape, self.itemsize = shape, itemsize
@@ -186,6 +207,7 @@ class _Builder:
         self._load(layout)
 
     def _load(self, layout):
+        # The greedy route reads the working layout as lists (cuts per dim, partial axis -> op).
         self.layout = layout
         self.dm = layout.device_matrix
         self.tmap = [list(d) for d in layout.tensor_map]
@@ -200,35 +222,21 @@ class _Builder:
 
     def emit(self, kind, axes, dim=None, split_dim=None, op=None):
         before, axes = self.layout, tuple(axes)
-        if kind == "slice":
-            self.tmap[dim] += axes
-        elif kind == "allgather":
-            assert tuple(self.tmap[dim][-len(axes):]) == axes
-            del self.tmap[dim][-len(axes):]
-        elif kind == "allreduce":
-            for a in axes:
-                del self.part[a]
-        elif kind == "reduce_scatter":
-            for a in axes:
-                del self.part[a]
-            self.tmap[dim] += axes
-        elif kind == "alltoall":
-            assert tuple(self.tmap[dim][-len(axes):]) == axes
-            del self.tmap[dim][-len(axes):]
-            self.tmap[split_dim] += axes
-        elif kind == "zero_partial":
-            for a in axes:
-                self.part[a] = op
-        self.layout = Layout(self.dm, tuple(tuple(d) for d in self.tmap), tuple(self.part.items()))
+        self._load(_after(before, kind, axes, dim, split_dim, op))
         local_in = before.local_shape(self.shape)
-        g = prod(self.dm[a] for a in axes)
-        sent = comm_bytes(kind, prod(local_in) * self.itemsize, g)
+        sent = comm_bytes(kind, prod(local_in) * self.itemsize, prod(self.dm[a] for a in axes))
         self.steps.append(Step(kind, before, self.layout, local_in, self.layout.local_shape(self.shape), axes, dim,
                                split_dim, op, sent))
 
     @property
     def bytes(self):
         return sum(s.bytes_per_rank for s in self.steps)
+
+    @property
+    def cost(self):
+        """What plans are compared by: bytes sent, then collectives, then steps."""
+        moving = [s for s in self.steps if s.kind != "relabel"]
+        return self.bytes, sum(s.is_collective for s in moving), len(moving)
 
 
 def _naive_steps(src, dst, shape, itemsize):
@@ -303,7 +311,7 @@ def _working_matrix(src, dst, bounds):
     return sizes, list(range(k))
 
 
-# ---- the greedy route on atoms ---------------------------------------------------------------
+# ---- the greedy route on atoms (an upper bound, and the route on large matrices) -----------------------------------------------------------
 
 def _route(b, target):
     """Appends steps to ``b`` until its layout is ``target`` (same device matrix)."""
@@ -423,13 +431,99 @@ def _zero(b, want, want_part):
     return False
 
 
+# ---- the exact search, on small matrices -----------------------------------------------------
+
+_SEARCH_ATOMS = 4      # the search runs on matrices of up to 4 atoms (16 devices of size-2 atoms) ...
+_SEARCH_STATES = 1000  # ... and gives up after this many layouts (about 0.2 s): the greedy route stays
+
+
+def _moves(layout, want_part):
+    """Every step the search tries from ``layout``: (kind, axes, dim, split_dim, op)."""
+    tmap, part = layout.tensor_map, dict(layout.partial)
+    used = {a for d in tmap for a in d} | set(part)
+    free = [a for a, size in enumerate(layout.device_matrix) if size > 1 and a not in used]
+    for d, cut in enumerate(tmap):
+        for k in range(1, len(free) + 1):
+            for run in permutations(free, k):
+                yield "slice", run, d, None, None
+        for k in range(1, len(cut) + 1):
+            yield "allgather", cut[-k:], d, None, None
+            for e in range(len(tmap)):
+                if e != d:
+                    yield "alltoall", cut[-k:], d, e, None
+    for op in PARTIAL_OPS:
+        axes = [a for a, o in part.items() if o == op]
+        for k in range(1, len(axes) + 1):
+            for group in combinations(axes, k):
+                yield "allreduce", group, None, None, op
+            for run in permutations(axes, k):
+                for d in range(len(tmap)):
+                    yield "reduce_scatter", run, d, None, op
+        zero = [a for a in free if want_part.get(a) == op]
+        for k in range(1, len(zero) + 1):
+            for group in combinations(zero, k):
+                yield "zero_partial", group, None, None, op
+
+
+def _search(src, dst, shape, itemsize, bound):
+    """The cheapest route from src to dst (one matrix), Dijkstra over layouts; None past the budget.
+
+    Finds what the greedy route misses, such as parking a cut on another dimension with an
+    all-to-all instead of gathering it: ``(b, a) -> (-, ba)`` is two all-to-alls, not two
+    all-gathers. ``bound`` (the greedy route's cost) prunes everything dearer.
+    """
+    want_part = dict(dst.partial)
+    best, came = {src: (0, 0, 0)}, {}
+    heap, tie = [((0, 0, 0), 0, src)], count(1)
+    expanded = 0
+    while heap:
+        cost, _, lay = heappop(heap)
+        if lay == dst:
+            path = []
+            while lay in came:
+                lay, move = came[lay]
+                path.append(move)
+            return path[::-1]
+        if cost > best[lay]:
+            continue
+        expanded += 1
+        if expanded > _SEARCH_STATES:
+            return None
+        local_bytes = prod(lay.local_shape(shape)) * itemsize
+        for move in _moves(lay, want_part):
+            nxt = _after(lay, *move)
+            if any(n % c for n, c in zip(shape, nxt.cuts())):
+                continue
+            kind, axes = move[0], move[1]
+            sent = comm_bytes(kind, local_bytes, prod(lay.device_matrix[a] for a in axes))
+            c = (cost[0] + sent, cost[1] + (kind in COLLECTIVES), cost[2] + 1)
+            if c <= bound and c < best.get(nxt, (float("inf"),)):
+                best[nxt], came[nxt] = c, (lay, move)
+                heappush(heap, (c, next(tie), nxt))
+    return None
+
+
 def _smart_steps(src, dst, shape, itemsize, bounds):
     dm, atom_axis = _working_matrix(src, dst, bounds)
     src_w, dst_w = _on_atoms(src, bounds, dm, atom_axis), _on_atoms(dst, bounds, dm, atom_axis)
-    b = _Builder(src, shape, itemsize)
-    if src_w != src:
-        b.relabel(src_w)
+
+    def start():
+        b = _Builder(src, shape, itemsize)
+        if src_w != src:
+            b.relabel(src_w)
+        return b
+
+    b = start()
     _route(b, dst_w)
+    # Mixed sum and max partial axes have no defined order: keep the greedy route's (sum first).
+    if len(bounds) - 1 <= _SEARCH_ATOMS and len({op for _, op in src.partial}) <= 1:
+        path = _search(src_w, dst_w, shape, itemsize, b.cost)
+        if path is not None:
+            found = start()
+            for move in path:
+                found.emit(*move)
+            if found.cost < b.cost:
+                b = found
     if dst_w != dst:
         b.relabel(dst)
     return b

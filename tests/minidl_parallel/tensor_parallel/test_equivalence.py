@@ -83,13 +83,18 @@ def make_data(layers, loss, features, batch=8, seed=0):
     return {"x": x, "y": y, "batch": batch, "features": features, "arrays": init_arrays(layers, features, seed)}
 
 
-def check(n, layers, loss, mode, dataset, features):
+def check(n, layers, loss, mode, dataset, features, dtype=np.float64):
     data = make_data(layers, loss, features)
+    if dtype != np.float64:
+        data = dict(data, x=data["x"].astype(dtype), y=data["y"].astype(dtype),
+                    arrays={k: v.astype(dtype) for k, v in data["arrays"].items()})
     ref = run_single(layers, loss, data)
     results = run_threads(n, run_rank, layers, loss, data, mode, 2, 0.05, dataset)
+    tolerance = (dict(rtol=1e-10, atol=1e-12) if dtype == np.float64
+                 else dict(rtol=1e-5, atol=1e-6, relative_to_max=True))
     for rank, got in enumerate(results):
         try:
-            compare_runs(got, ref)
+            compare_runs(got, ref, **tolerance)
         except AssertionError as e:
             raise AssertionError(f"rank {rank} of {n} ({mode}, {dataset}): {e}") from None
 
@@ -117,6 +122,12 @@ def test_quickstart_network_equals_single_device(mode):
 @given(case=chains())
 def test_random_chain_equals_single_device(case):
     check(*case)
+
+
+@settings(max_examples=5 * settings.default.max_examples, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(case=chains())
+def test_random_chain_in_float32_equals_single_device_to_1e_5(case):
+    check(*case, dtype=np.float32)
 
 
 # ---- a small CNN: Conv2d and Dense cells passing strategies to their primitives ----------------

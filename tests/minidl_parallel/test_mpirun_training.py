@@ -45,3 +45,19 @@ def test_resnet_example_trains_data_parallel_under_mpirun():
     assert out.count("2 steps per epoch") == 2
     assert out.count("epoch: 1 step: 1, loss is") == 2 and out.count("epoch: 1 step: 2, loss is") == 2
     assert out.count("train accuracy:") == 2
+
+
+def test_hostfile_launch_runs_the_ranks_it_lists(tmp_path):
+    """The several-machines recipe, on one machine: mpirun --hostfile with this host's slots."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    if _mpirun_path() is None:
+        pytest.skip("mpirun is not on PATH (pip install 'minidl[mpi]')")
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install 'minidl[mpi]')")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [_mpirun_path(), "--hostfile", str(hosts), "-n", "2", sys.executable, str(ROOT / "examples" /
+                                                                                  "nccl_allgather.py")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[[0.]\n [1.]]" in proc.stdout

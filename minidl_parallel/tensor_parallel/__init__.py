@@ -2,7 +2,8 @@
 or AUTO_PARALLEL.
 
 - layout.py: Layout (device matrix, tensor map, partial axes);
-- redistribution.py: the planner (layout -> layout as a list of steps, plain data);
+- plan.py: a redistribution plan as plain data (steps, bytes);
+- redistribution.py: the planner (layout -> layout as a list of steps);
 - executor.py: runs plans on a communicator, as autograd ops;
 - rules/: per-operator sharding rules (strategy -> layouts), validation, propagation;
 - dispatch.py: the hooks that run every operator on this rank's blocks;

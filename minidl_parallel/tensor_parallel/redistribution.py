@@ -1,7 +1,7 @@
 """The redistribution planner: how a tensor moves from one layout to another, as plain data.
 
-A :class:`Plan` is a tuple of :class:`Step` values, each one of seven kinds; nothing here
-communicates (executor.py runs plans). The transitions, per device axis of a layout
+A :class:`Plan` (plan.py) is a tuple of :class:`Step` values, each one of seven kinds;
+nothing here communicates (executor.py runs plans). The transitions, per device axis of a layout
 (P = partial, S(d) = cuts dimension d, R = replica; bytes one rank sends, ``in`` its block):
 
     R    -> S(d)   slice           local              0
@@ -17,9 +17,12 @@ stride t covers the rank digits [t, t*s); cutting every axis at every boundary o
 matrix gives atoms, so that each axis of either layout is a run of atoms (``[8]`` and
 ``[2, 4]`` share the atoms ``[2, 4]``). On atoms a greedy loop moves the tensor: free slices
 first (they shrink every later message), then reduce-scatters, all-to-alls, all-reduces, and
-all-gathers last, each over the combined group of all the atoms it moves. When the two
-matrices have no common atoms (``[3, 4]`` and ``[4, 3]``) or the greedy route would send
-more, the plan is the naive route: all-reduce, all-gather to replicated, slice.
+all-gathers last, each over the combined group of all the atoms it moves. On matrices of up
+to 4 atoms a bounded search (Dijkstra over layouts, by bytes, then collectives, then steps)
+then looks for a cheaper route than the greedy one; it finds the fewest bytes over these
+seven kinds of steps. When the two matrices have no common atoms (``[3, 4]`` and ``[4, 3]``)
+or the route would send more, the plan is the naive route: all-reduce, all-gather to
+replicated, slice.
 
 Example:
     >>> src = Layout((2, 4, 1), ((0,), (2,)), ((1, "sum"),))   # MatMul's partial output
@@ -30,161 +33,24 @@ Example:
     >>> print(plan.steps[1])
     relabel: (a, b) on [2, 4, 1] -> (a, b) on [2, 4]
 """
-from dataclasses import dataclass
 from functools import lru_cache
 from heapq import heappop, heappush
 from itertools import combinations, count, permutations
 from math import prod
 
-from .layout import PARTIAL_OPS, Layout, axis_name
+from .layout import PARTIAL_OPS, Layout
+from .plan import COLLECTIVES, KINDS, Plan, Step, comm_bytes  # noqa: F401  (re-exported)
 
 __all__ = ["Step", "Plan", "plan_redistribution", "comm_bytes", "naive_bytes", "KINDS", "COLLECTIVES"]
 
-COLLECTIVES = ("allgather", "allreduce", "reduce_scatter", "alltoall")
-KINDS = ("slice",) + COLLECTIVES + ("zero_partial", "relabel")
-
-
-def comm_bytes(kind, local_bytes_in, group_size):
-    """The bytes one rank sends in a step (ring / pairwise algorithms, nccl-tests conventions).
-
-    Args:
-        kind: a step kind (see :data:`KINDS`); local kinds send nothing.
-        local_bytes_in: the size in bytes of this rank's block before the step.
-        group_size: ranks in the step's group.
-
-    Example:
-        >>> comm_bytes("allreduce", 4096, 4)
-        6144
-    """
-    n, g = int(local_bytes_in), int(group_size)
-    if kind not in KINDS:
-        raise ValueError(f"comm_bytes: kind must be one of {KINDS}, got {kind!r}")
-    if kind not in COLLECTIVES or g <= 1:
-        return 0
-    if kind == "allgather":
-        return (g - 1) * n
-    if kind == "allreduce":
-        return 2 * (g - 1) * n // g
-    return (g - 1) * n // g  # reduce_scatter, alltoall
-
-
-def _names(axes):
-    return "".join(axis_name(a) for a in axes)
-
-
-@dataclass(frozen=True)
-class Step:
-    """One step of a plan: plain data, printable, hashable.
-
-    Attributes:
-        kind: one of :data:`KINDS`.
-        before, after: the layouts before and after the step (a relabel changes the device
-            matrix; every other step keeps ``before``'s).
-        local_shape_in, local_shape_out: a rank's block before and after.
-        axes: the device axes of ``before`` whose ranks form the step's group, major first
-            (for slices: the axes whose coordinates pick the block).
-        dim: the tensor dimension gathered, sliced or scattered (alltoall: gathered).
-        split_dim: alltoall only: the dimension newly cut.
-        op: the reduction (allreduce, reduce_scatter) or the new partial op (zero_partial).
-        bytes_per_rank: what one rank sends (:func:`comm_bytes`).
-    """
-
-    kind: str
-    before: Layout
-    after: Layout
-    local_shape_in: tuple
-    local_shape_out: tuple
-    axes: tuple = ()
-    dim: object = None
-    split_dim: object = None
-    op: object = None
-    bytes_per_rank: int = 0
-
-    @property
-    def group_size(self):
-        return prod(self.before.device_matrix[a] for a in self.axes)
-
-    @property
-    def is_collective(self):
-        return self.kind in COLLECTIVES
-
-    def short(self):
-        """A few characters: ``allreduce(b)``, ``slice(1:b)``, ``alltoall(b:0->1)``."""
-        ax = _names(self.axes)
-        if self.kind == "relabel":
-            return "relabel"
-        if self.kind == "alltoall":
-            return f"alltoall({ax}:{self.dim}->{self.split_dim})"
-        if self.dim is not None:
-            return f"{self.kind}({self.dim}:{ax})"
-        return f"{self.kind}({ax})"
-
-    def __str__(self):
-        if self.kind == "relabel":
-            return f"relabel: {self.before} -> {self.after}"
-        g = self.group_size
-        ax = _names(self.axes)
-        if self.kind == "slice":
-            head = f"slice dim {self.dim} over {ax} ({g} blocks)"
-        elif self.kind == "zero_partial":
-            head = f"zero_partial {self.op} over {ax}"
-        else:
-            op = f" {self.op}" if self.op is not None else ""
-            dims = "" if self.dim is None else f" dim {self.dim}"
-            if self.kind == "alltoall":
-                dims = f" dim {self.dim} -> dim {self.split_dim}"
-            head = f"{self.kind}{op}{dims} over {ax} (groups of {g})"
-        return (f"{head}: {self.before} -> {self.after}  block {tuple(self.local_shape_out)}  "
-                f"{self.bytes_per_rank} B/rank")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How a tensor of global ``shape`` moves from layout ``src`` to ``dst``: ``steps`` in order."""
-
-    src: Layout
-    dst: Layout
-    shape: tuple
-    steps: tuple = ()
-    itemsize: int = 4
-
-    @property
-    def bytes_per_rank(self):
-        """What one rank sends over the whole plan."""
-        return sum(s.bytes_per_rank for s in self.steps)
-
-    @property
-    def num_collectives(self):
-        return sum(1 for s in self.steps if s.is_collective)
-
-    @property
-    def moves_data(self):
-        """False when the plan only relabels (the rank keeps its block as it is)."""
-        return any(s.kind != "relabel" for s in self.steps)
-
-    def adjoint(self):
-        """The plan a gradient takes back: ``dst`` to ``src``, both without partial axes."""
-        return plan_redistribution(self.dst.without_partial(), self.src.without_partial(), self.shape,
-                                   self.itemsize)
-
-    def short(self):
-        """The steps on one line: ``allreduce(b), slice(1:b)`` (``no-op`` when empty)."""
-        return ", ".join(s.short() for s in self.steps) or "no-op"
-
-    def __str__(self):
-        if not self.steps:
-            return f"no change: {self.src}"
-        return "\n".join(str(s) for s in self.steps)
-
-
 # ---- building steps -------------------------------------------------------------------------
 
-def _after(layout, kind, axes, dim=None, split_dim=None, op=None):
-    """The layout a step leaves (the one place that says what each kind does to a layout)."""
-    tmap = [list(d) for d in layout.tensor_map]
-    part = dict(layout.partial)
+def _moved(tmap, partial, kind, axes, dim=None, split_dim=None, op=None):
+    """What a step does to (tensor_map, partial) as tuples: the one place that says it."""
+    tmap = [list(d) for d in tmap]
+    part = dict(partial)
     if kind in ("allgather", "alltoall"):
-        assert tuple(tmap[dim][-len(axes):]) == tuple(axes), (layout, kind, axes, dim)
+        assert tuple(tmap[dim][-len(axes):]) == tuple(axes), (tmap, kind, axes, dim)
         del tmap[dim][-len(axes):]
     if kind in ("allreduce", "reduce_scatter"):
         for a in axes:
@@ -195,7 +61,12 @@ def _after(layout, kind, axes, dim=None, split_dim=None, op=None):
         tmap[dim] += axes
     if kind == "alltoall":
         tmap[split_dim] += axes
-    return Layout(layout.device_matrix, tuple(tuple(d) for d in tmap), tuple(part.items()))
+    return tuple(tuple(d) for d in tmap), tuple(sorted(part.items()))
+
+
+def _after(layout, kind, axes, dim=None, split_dim=None, op=None):
+    """The layout a step leaves."""
+    return Layout(layout.device_matrix, *_moved(layout.tensor_map, layout.partial, kind, axes, dim, split_dim, op))
 
 
 class _Builder:
@@ -311,7 +182,7 @@ def _working_matrix(src, dst, bounds):
     return sizes, list(range(k))
 
 
-# ---- the greedy route on atoms (an upper bound, and the route on large matrices) -----------------------------------------------------------
+# ---- the greedy route on atoms (an upper bound; the route itself on large matrices) --------
 
 def _route(b, target):
     """Appends steps to ``b`` until its layout is ``target`` (same device matrix)."""
@@ -434,14 +305,14 @@ def _zero(b, want, want_part):
 # ---- the exact search, on small matrices -----------------------------------------------------
 
 _SEARCH_ATOMS = 4      # the search runs on matrices of up to 4 atoms (16 devices of size-2 atoms) ...
-_SEARCH_STATES = 1000  # ... and gives up after this many layouts (about 0.2 s): the greedy route stays
+_SEARCH_STATES = 1000  # ... and gives up after this many layouts (about 0.1 s): the greedy route stays
 
 
-def _moves(layout, want_part):
-    """Every step the search tries from ``layout``: (kind, axes, dim, split_dim, op)."""
-    tmap, part = layout.tensor_map, dict(layout.partial)
+def _moves(dm, tmap, partial, want_part):
+    """Every step the search tries from a layout: (kind, axes, dim, split_dim, op)."""
+    part = dict(partial)
     used = {a for d in tmap for a in d} | set(part)
-    free = [a for a, size in enumerate(layout.device_matrix) if size > 1 and a not in used]
+    free = [a for a, size in enumerate(dm) if size > 1 and a not in used]
     for d, cut in enumerate(tmap):
         for k in range(1, len(free) + 1):
             for run in permutations(free, k):
@@ -452,7 +323,7 @@ def _moves(layout, want_part):
                 if e != d:
                     yield "alltoall", cut[-k:], d, e, None
     for op in PARTIAL_OPS:
-        axes = [a for a, o in part.items() if o == op]
+        axes = [a for a, o in partial if o == op]
         for k in range(1, len(axes) + 1):
             for group in combinations(axes, k):
                 yield "allreduce", group, None, None, op
@@ -470,35 +341,38 @@ def _search(src, dst, shape, itemsize, bound):
 
     Finds what the greedy route misses, such as parking a cut on another dimension with an
     all-to-all instead of gathering it: ``(b, a) -> (-, ba)`` is two all-to-alls, not two
-    all-gathers. ``bound`` (the greedy route's cost) prunes everything dearer.
+    all-gathers. ``bound`` (the greedy route's cost) prunes everything dearer. States are
+    (tensor_map, partial) tuples: building Layouts here would cost more than the search.
     """
-    want_part = dict(dst.partial)
-    best, came = {src: (0, 0, 0)}, {}
-    heap, tie = [((0, 0, 0), 0, src)], count(1)
+    dm, want_part = src.device_matrix, dict(dst.partial)
+    start, goal = (src.tensor_map, src.partial), (dst.tensor_map, dst.partial)
+    best, came = {start: (0, 0, 0)}, {}
+    heap, tie = [((0, 0, 0), 0, start)], count(1)
     expanded = 0
     while heap:
-        cost, _, lay = heappop(heap)
-        if lay == dst:
+        cost, _, state = heappop(heap)
+        if state == goal:
             path = []
-            while lay in came:
-                lay, move = came[lay]
+            while state in came:
+                state, move = came[state]
                 path.append(move)
             return path[::-1]
-        if cost > best[lay]:
+        if cost > best[state]:
             continue
         expanded += 1
         if expanded > _SEARCH_STATES:
             return None
-        local_bytes = prod(lay.local_shape(shape)) * itemsize
-        for move in _moves(lay, want_part):
-            nxt = _after(lay, *move)
-            if any(n % c for n, c in zip(shape, nxt.cuts())):
+        tmap, partial = state
+        local_bytes = itemsize * prod(n // prod(dm[a] for a in cut) for n, cut in zip(shape, tmap))
+        for move in _moves(dm, tmap, partial, want_part):
+            nxt = _moved(tmap, partial, *move)
+            if any(n % prod(dm[a] for a in cut) for n, cut in zip(shape, nxt[0])):
                 continue
             kind, axes = move[0], move[1]
-            sent = comm_bytes(kind, local_bytes, prod(lay.device_matrix[a] for a in axes))
+            sent = comm_bytes(kind, local_bytes, prod(dm[a] for a in axes))
             c = (cost[0] + sent, cost[1] + (kind in COLLECTIVES), cost[2] + 1)
             if c <= bound and c < best.get(nxt, (float("inf"),)):
-                best[nxt], came[nxt] = c, (lay, move)
+                best[nxt], came[nxt] = c, (state, move)
                 heappush(heap, (c, next(tie), nxt))
     return None
 
@@ -581,7 +455,7 @@ def _plan(src, dst, shape, itemsize):
     best = naive
     if bounds is not None:
         smart = _smart_steps(src, dst, shape, itemsize, bounds)
-        if smart.bytes <= naive.bytes:
+        if smart.cost <= naive.cost:
             best = smart
     return Plan(src, dst, shape, tuple(best.steps), itemsize)
 

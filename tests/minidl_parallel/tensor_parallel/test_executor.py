@@ -124,6 +124,10 @@ def test_execute_gives_every_rank_exactly_its_block_of_dst(n, data):
     # [2, 6] and [6, 2] share the atoms [2, 3, 2]
     (Layout((2, 6), ((0, 1), ())), Layout((6, 2), ((), (0,)), ((1, "max"),)), (12, 6),
      ["relabel", "allgather", "alltoall", "zero_partial", "relabel"]),  # gathers c only, then moves ab
+    # routes the search finds: a cut parked on another dimension, a reduce-scatter under a moved cut
+    (Layout((2, 2), ((1,), (0,))), Layout((2, 2), ((), (1, 0))), (4, 8), ["alltoall", "alltoall"]),
+    (Layout((2, 8), ((0,), ()), ((1, "sum"),)), Layout((2, 8), ((1,), ())), (16, 2),
+     ["alltoall", "reduce_scatter", "allgather"]),
     # the quickstart's two moves
     (Layout.batch_split(2, 8), Layout((2, 4, 1), ((0,), (1,))), (16, 32), ["relabel", "alltoall"]),
     (Layout((2, 4, 1), ((0,), (2,)), ((1, "sum"),)), Layout((2, 4), ((0,), (1,))), (16, 16),

@@ -167,6 +167,22 @@ def test_a_cut_moving_to_another_dimension_under_a_finer_cut_gathers_only_the_fi
     assert plan.bytes_per_rank < naive_bytes(plan.src, plan.dst, plan.shape, 4)
 
 
+def test_a_cut_parked_on_another_dimension_beats_gathering_it():
+    # (b, a) -> (-, ba): a joins b on dim 0 and both move together; two all-to-alls, no gather.
+    plan = plan_redistribution(Layout((2, 2), ((1,), (0,))), Layout((2, 2), ((), (1, 0))), (4, 8), 4)
+    assert [(s.kind, s.axes, s.dim, s.split_dim) for s in plan.steps] == [("alltoall", (0,), 1, 0),
+                                                                          ("alltoall", (1, 0), 0, 1)]
+    assert plan.bytes_per_rank == 16 + 24 < naive_bytes(plan.src, plan.dst, plan.shape, 4)
+
+
+def test_a_partial_sum_reduce_scatters_onto_a_dimension_the_cut_leaves_for_a_moment():
+    src = Layout((2, 8), ((0,), ()), ((1, "sum"),))
+    dst = Layout((2, 8), ((1,), ()))
+    plan = plan_redistribution(src, dst, (16, 2), 4)
+    assert [s.kind for s in plan.steps] == ["alltoall", "reduce_scatter", "allgather"]
+    assert plan.bytes_per_rank == 32 + 56 + 8  # all-reduce, gather and slice would send 176
+
+
 def test_local_slices_come_before_collectives():
     # Replicated over a, partial over b -> cut by a on dim 0, whole over b: slice first, then a smaller all-reduce.
     src = Layout((2, 4), ((), ()), ((1, "sum"),))

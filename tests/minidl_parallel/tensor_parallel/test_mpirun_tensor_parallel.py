@@ -42,3 +42,18 @@ def test_quickstart_example_under_mpirun_8_equals_single_device():
     for (_, value), expected in zip(by_step, [v for v in ref for _ in range(8)]):
         assert abs(value - expected) <= 1e-4 * max(1.0, abs(expected))
     assert "dense1.matmul" in proc.stdout and "((2, 4), (4, 1))" in proc.stdout
+
+
+def test_megatron_example_under_mpirun_equals_one_process_with_one_allreduce_per_block():
+    single = mpirun(1, ROOT / "examples" / "megatron_mlp.py", "--steps", "3", timeout=120)
+    assert single.returncode == 0, single.stdout + single.stderr
+    proc = mpirun(2, ROOT / "examples" / "megatron_mlp.py", "--steps", "3", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ref = _losses(single.stdout)
+    got = _losses(proc.stdout)
+    assert len(ref) == 3 and len(got) == 6
+    for step, expected in enumerate(ref):
+        values = [float(v) for v in re.findall(rf"rank \d: step {step + 1}, loss is ([-0-9.e]+)", proc.stdout)]
+        assert len(values) == 2 and all(abs(v - expected) <= 1e-5 * max(1.0, abs(expected)) for v in values)
+    # 2 blocks: one all-reduce per block in forward; in backward one per block whose input needs a gradient.
+    assert "collectives per step: 2 all-reduce(s) in forward, 1 in backward, 3 in all (2 blocks, 2-way" in proc.stdout

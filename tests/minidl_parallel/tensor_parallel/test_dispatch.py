@@ -205,3 +205,37 @@ def test_explain_prints_strategies_layouts_and_steps():
     assert "ReLU (relu)" in text and "[propagated]" in text
     assert "alltoall" in text and "reduce_scatter" in text
     assert str(layout) == "(b, -) on [2, 4, 1]"
+
+
+def test_model_checkpoint_and_resume_under_tensor_parallel_equal_an_uninterrupted_run(tmp_path):
+    from minidl.train import CheckpointConfig, ModelCheckpoint, latest_checkpoint
+    x, y = _data(32)
+
+    def run(epochs, directory=None, resume=None):
+        import minidl_parallel as mp
+        net = FFN()
+        net.dense1.matmul.shard(((2, 2), (2, 1)))
+        ds = NumpySlicesDataset({"data": x, "label": y}, shuffle=True).batch(16 // mp.get_group_size())
+        model = Model(net, nn.MSELoss(), nn.Momentum(net.trainable_params(), 0.1, 0.9))
+        steps = Losses()
+        callbacks = [steps]
+        if directory is not None:
+            callbacks.append(ModelCheckpoint(prefix="ffn", directory=str(directory / f"rank{mp.get_rank()}"),
+                                             config=CheckpointConfig(save_checkpoint_steps=2)))
+        model.train(epochs, ds, callbacks=callbacks, resume_from=resume)
+        return {p.name: np.array(full_value(p)) for p in net.trainable_params()}, len(steps.values)
+
+    uninterrupted = _on_ranks(4, lambda: run(2))
+    _on_ranks(4, lambda: run(1, tmp_path))
+
+    def resumed():
+        import minidl_parallel as mp
+        path = latest_checkpoint(str(tmp_path / f"rank{mp.get_rank()}"), "ffn")
+        assert path is not None and path.endswith("ffn-1_2.ckpt"), path
+        return run(2, resume=path)
+    for result, (ref, ref_steps) in zip(_on_ranks(4, resumed), uninterrupted):
+        assert not isinstance(result, Exception), result
+        got, steps = result
+        assert (steps, ref_steps) == (2, 4)  # the resumed run trained only the second epoch
+        for name, value in ref.items():
+            np.testing.assert_array_equal(got[name], value, err_msg=name)

@@ -12,7 +12,7 @@ Example:
 import threading
 from dataclasses import dataclass
 
-__all__ = ["CommCounter", "CommEvent", "record"]
+__all__ = ["CommCounter", "CommEvent", "record", "backward_phase", "current_phase", "CountedGroup"]
 
 _tls = threading.local()
 
@@ -32,8 +32,26 @@ def _active():
     return stack
 
 
-def record(kind, group_size, bytes_per_rank, phase="forward"):
+def current_phase():
+    """"backward" while a sharded operator's backward runs on this thread, else "forward"."""
+    return getattr(_tls, "phase", "forward")
+
+
+class backward_phase:
+    """Marks the enclosed code as backward for the collectives it runs (re-entrant)."""
+
+    def __enter__(self):
+        self._prev = current_phase()
+        _tls.phase = "backward"
+
+    def __exit__(self, *exc):
+        _tls.phase = self._prev
+        return False
+
+
+def record(kind, group_size, bytes_per_rank, phase=None):
     """Reports one collective run by this rank (thread) to every open CommCounter."""
+    phase = current_phase() if phase is None else phase
     for counter in _active():
         counter.events.append(CommEvent(kind, int(group_size), int(bytes_per_rank), phase))
 
@@ -68,3 +86,18 @@ class CommCounter:
         keys = sorted({(e.phase, e.kind) for e in self.events})
         return "\n".join(f"{phase:8s} {kind:15s} x{self.count(kind, phase)}  {self.bytes(kind, phase)} B/rank"
                          for phase, kind in keys)
+
+
+class CountedGroup:
+    """A communicator whose all-reduces are reported here (for ops that communicate themselves)."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def allreduce(self, x, op="sum"):
+        from .plan import comm_bytes
+        record("allreduce", self._comm.size, comm_bytes("allreduce", x.nbytes, self._comm.size))
+        return self._comm.allreduce(x, op)
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)

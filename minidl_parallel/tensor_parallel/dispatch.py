@@ -36,7 +36,7 @@ from .rules import Decomposed, StrategyError, TensorSpec, get_rule
 from .rules.base import NoRuleError
 from .tensors import get_layout, layout_of, set_layout, tag_input
 
-__all__ = ["install", "active_context", "redistribute", "full_value", "gather_like"]
+__all__ = ["install", "active_context", "redistribute", "group_along", "full_value", "gather_like"]
 
 _tls = threading.local()
 _groups = GroupCache()
@@ -234,7 +234,7 @@ def _run_sharded(prim, args, comm, settings, device_num):
         op.__dict__.update(sharding.local_attrs)
     out = op.apply(*local_args)
     if out._node is not None:
-        _reduce_partial_gradients(out._node, sharding, positions, comm)
+        _wrap_backward(out._node, sharding, positions, comm)
     set_layout(out, sharding.out_layout, sharding.out_layout.global_shape(tuple(out.shape)))
     if record is not None:
         record.operator(_who(prim), strategy, origin, sharding, moves, get_layout(out)[1], tuple(out.data.shape))
@@ -254,27 +254,26 @@ def _partial_axes_of_gradient(sharding, k):
                  if size > 1 and a not in cut and a not in sharding.repeat_axes)
 
 
-def _reduce_partial_gradients(node, sharding, positions, comm):
+def _wrap_backward(node, sharding, positions, comm):
+    """Runs the op's backward in the backward phase, then all-reduces its partial input gradients."""
     reductions = {}
     for k, i in enumerate(positions):
         axes = _partial_axes_of_gradient(sharding, k)
         if axes:
             reductions[i] = (sharding.in_layouts[k], axes)
-    if not reductions:
-        return
     local_backward = node.backward
 
     def backward(gy):
-        grads = list(local_backward(gy))
-        for i, (layout, axes) in reductions.items():
-            if grads[i] is None:
-                continue
-            ranks = layout.group(comm.rank, axes)
-            group = _groups.get(comm, ranks)
-            if group is not None:
-                grads[i] = group.allreduce(grads[i], "sum")
-                counter.record("allreduce", len(ranks), comm_bytes("allreduce", grads[i].nbytes, len(ranks)),
-                               phase="backward")
+        with counter.backward_phase():
+            grads = list(local_backward(gy))
+            for i, (layout, axes) in reductions.items():
+                if grads[i] is None:
+                    continue
+                ranks = layout.group(comm.rank, axes)
+                group = _groups.get(comm, ranks)
+                if group is not None:
+                    grads[i] = group.allreduce(grads[i], "sum")
+                    counter.record("allreduce", len(ranks), comm_bytes("allreduce", grads[i].nbytes, len(ranks)))
         return tuple(grads)
 
     node.backward = backward  # the instance attribute shadows the class's backward for this call only
@@ -313,6 +312,16 @@ def _complete(out, comm):
         if entry is not None and entry[0].partial:
             return redistribute(out, entry[0].without_partial())
     return out
+
+
+def group_along(layout, axes):
+    """The communicator of this rank and the ranks that differ from it only along ``axes`` of ``layout``.
+
+    Used by ops that synchronise inside their own forward (BatchNorm with the batch cut).
+    """
+    comm = active_context()[0]
+    group = _groups.get(comm, layout.group(comm.rank, axes))
+    return None if group is None else counter.CountedGroup(group)
 
 
 def redistribute(tensor, layout):

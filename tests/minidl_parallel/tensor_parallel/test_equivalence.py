@@ -137,8 +137,9 @@ def _cnn():
     from minidl import nn
     f64 = minidl.float64
     return nn.SequentialCell(nn.Conv2d(4, 4, 3, pad_mode="pad", padding=1, has_bias=True, dtype=f64), nn.ReLU(),
-                             nn.MaxPool2d(2, 2), nn.Conv2d(4, 8, 1, has_bias=True, dtype=f64), nn.Tanh(),
-                             nn.Flatten(), nn.Dense(32, 4, dtype=f64))
+                             nn.MaxPool2d(2, 2), nn.Conv2d(4, 8, 1, has_bias=True, dtype=f64),
+                             nn.BatchNorm2d(8, momentum=0.7, dtype=f64), nn.Tanh(), nn.Flatten(),
+                             nn.Dense(32, 4, dtype=f64))
 
 
 def _cnn_run(strategies, x, y, init, steps=2):
@@ -147,11 +148,14 @@ def _cnn_run(strategies, x, y, init, steps=2):
     from minidl import Tensor, nn
     from minidl_parallel.tensor_parallel.dispatch import full_value
     net = _cnn()
+    net.set_train(True)  # BatchNorm normalises with (and tracks) the statistics of the whole batch
     minidl.load_param_into_net(net, {k: v.copy() for k, v in init.items()})
     if strategies is not None:
         net[0].shard(strategies[0])
         net[3].shard(strategies[1])
-        net[6].shard(strategies[2])
+        net[7].shard(strategies[2])
+        if strategies[3] is not None:  # else SEMI_AUTO's default: the batch cut, statistics synchronised
+            net[4].bn_train.shard(strategies[3])
     loss_fn = nn.MSELoss()
     params = net.trainable_params()
     opt = nn.Momentum(params, 0.05, 0.9)
@@ -166,7 +170,8 @@ def _cnn_run(strategies, x, y, init, steps=2):
         losses.append(float(loss.asnumpy()))
         first = np.array(full_value(out)) if first is None else first
         opt(grads)
-    return losses, first, {p.name: np.array(full_value(p)) for p in params}, tuple(net[0].weight.data.shape)
+    state = {name: np.array(full_value(p)) for name, p in net.parameters_and_names()}  # moving statistics too
+    return losses, first, state, tuple(net[0].weight.data.shape)
 
 
 @st.composite
@@ -175,7 +180,9 @@ def cnn_strategies(draw):
     b, ci, co = draw(_cuts([8, 4, 4], n))
     b2, ci2, co2 = draw(_cuts([8, 4, 8], n))
     b3, k3, o3 = draw(_cuts([8, 32, 4], n))
-    return n, (((b, ci, 1, 1), (co, ci, 1, 1)), ((b2, ci2, 1, 1), (co2, ci2, 1, 1)), ((b3, k3), (o3, k3)))
+    b4, c4 = draw(_cuts([8, 8], n))
+    bn = ((b4, c4, 1, 1),) + ((c4,),) * 4 if draw(st.booleans()) else None
+    return n, (((b, ci, 1, 1), (co, ci, 1, 1)), ((b2, ci2, 1, 1), (co2, ci2, 1, 1)), ((b3, k3), (o3, k3)), bn)
 
 
 @settings(max_examples=2 * settings.default.max_examples, deadline=None)
@@ -203,3 +210,51 @@ def test_cnn_with_sharded_conv_and_dense_cells_equals_single_device(case):
         np.testing.assert_allclose(out, ref[1], rtol=1e-10, atol=1e-12)
         for name, value in ref[2].items():
             np.testing.assert_allclose(params[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_resnet20_under_semi_auto_without_strategies_equals_single_device():
+    """SEMI_AUTO with no strategy anywhere is data parallel, BatchNorm on the whole batch included."""
+    import minidl
+    from minidl import Tensor, nn
+    from minidl.models import resnet20
+    from minidl_parallel.tensor_parallel.dispatch import full_value
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 32, 32)).astype(np.float32)
+    y = rng.integers(0, 10, 4).astype(np.int32)
+    minidl.set_seed(0)
+    init = {name: p.asnumpy().copy() for name, p in resnet20().parameters_and_names()}
+
+    def run(x, y):
+        net = resnet20()
+        minidl.load_param_into_net(net, {k: v.copy() for k, v in init.items()})
+        net.set_train(True)
+        loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+        params = net.trainable_params()
+        opt = nn.Momentum(params, 0.1, 0.9)
+        grad_fn = minidl.value_and_grad(lambda a, b: loss_fn(net(a), b), None, params)
+        losses = []
+        for _ in range(2):
+            loss, grads = grad_fn(Tensor(x), Tensor(y))
+            losses.append(float(loss.asnumpy()))
+            opt(grads)
+        return losses, {name: np.array(full_value(p)) for name, p in net.parameters_and_names()}
+
+    ref = run(x, y)
+
+    def rank():
+        import minidl_parallel as mp
+        mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+        r = mp.get_rank()
+        try:
+            with mp.CommCounter() as counter:
+                out = run(x[2 * r:2 * r + 2], y[2 * r:2 * r + 2])
+            return out, counter.count("allreduce", "forward")
+        finally:
+            mp.reset_auto_parallel_context()
+    batchnorms = sum(isinstance(c, nn.BatchNorm2d) for _, c in resnet20().cells_and_names())
+    for (losses, state), forward_allreduces in run_threads(2, rank):
+        assert forward_allreduces >= 2 * 2 * batchnorms  # 2 steps, each BatchNorm: mean and variance over ranks
+        np.testing.assert_allclose(losses, ref[0], rtol=1e-5)
+        for name, value in ref[1].items():
+            scale = max(1e-3, float(np.abs(value).max()))
+            np.testing.assert_allclose(state[name], value, rtol=1e-4, atol=1e-5 * scale, err_msg=name)

@@ -229,9 +229,12 @@ def _run_sharded(prim, args, comm, settings, device_num):
             else:
                 local_args[i] = value
     op = prim
-    if sharding.local_attrs:
+    attrs = sharding.local_attrs
+    if callable(attrs):
+        attrs = attrs(sharding.out_layout.coords(rank))
+    if attrs:
         op = copy.copy(prim)
-        op.__dict__.update(sharding.local_attrs)
+        op.__dict__.update(attrs)
     out = op.apply(*local_args)
     if out._node is not None:
         _wrap_backward(out._node, sharding, positions, comm)

@@ -65,7 +65,9 @@ class OpSharding:
             shape becomes the local shape; OneHot's depth and indices move to the rank's
             class block). Must not change tensor positions' shapes.
         local_attrs: attributes to override on the primitive for the local call (Conv2D's
-            out_channel becomes the local number of output channels), or None.
+            out_channel becomes the local number of output channels), or None; or a callable
+            ``local_attrs(coords) -> dict`` when they depend on this rank's coordinates in the
+            device matrix (Dropout's window of the whole mask).
     """
 
     strategy: tuple

@@ -214,7 +214,7 @@ def _run_sharded(prim, args, comm, settings, device_num):
         plan = None
         if have != need:
             plan = plan_redistribution(have, need, shape, args[i].dtype.itemsize)
-            if _moves_data(plan):
+            if plan.moves_data:  # else only device axes are renamed ([2, 4, 1] -> [2, 4])
                 local_args[i] = Redistribute(plan, comm, _groups)(args[i])
         moves.append((specs[k], have, need, plan))
 
@@ -242,11 +242,6 @@ def _run_sharded(prim, args, comm, settings, device_num):
     if record is not None:
         record.operator(_who(prim), strategy, origin, sharding, moves, get_layout(out)[1], tuple(out.data.shape))
     return out
-
-
-def _moves_data(plan):
-    """False for plans that only rename device axes (e.g. [2, 4, 1] -> [2, 4]): the block stays."""
-    return any(step.kind != "relabel" for step in plan.steps)
 
 
 def _partial_axes_of_gradient(sharding, k):
@@ -336,7 +331,7 @@ def redistribute(tensor, layout):
     if have == layout:
         return tensor
     plan = plan_redistribution(have, layout, shape, tensor.dtype.itemsize)
-    out = Redistribute(plan, comm, _groups)(tensor) if _moves_data(plan) else _alias(tensor)
+    out = Redistribute(plan, comm, _groups)(tensor) if plan.moves_data else _alias(tensor)
     set_layout(out, layout, shape)
     return out
 

@@ -114,8 +114,11 @@ def _root_gradient(root, gradient, who):
     g = gradient.data if isinstance(gradient, Tensor) else gradient
     from . import backend
     g = backend.to_device(g, backend.get_array_module(xp_data)).astype(xp_data.dtype, copy=False)
-    if tuple(g.shape) != root.shape:
-        raise ValueError(f"{who}: gradient of shape {tuple(g.shape)} does not match the output shape {root.shape}")
+    # The array's own shape: under tensor parallelism root.shape is the logical shape, and a
+    # rank passes the gradient of its block.
+    if tuple(g.shape) != tuple(xp_data.shape):
+        raise ValueError(f"{who}: gradient of shape {tuple(g.shape)} does not match the output shape "
+                         f"{tuple(xp_data.shape)}")
     return g
 
 

@@ -14,6 +14,7 @@ Layers (``h`` is the running activation, 2-d ``(batch, features)``):
     {"op": "softmax", "log": bool, "strategy": ((b, d),) or None}
     {"op": "transpose", "strategy": ((b, d),) or None}               transposed and back
     {"op": "reshape", "strategy": ((b, d),) or None}                 (B, D) -> (B, D/2, 2) -> (B, D)
+    {"op": "dropout", "keep": p, "strategy": ((b, d),) or None}      masks from the framework seed
 Loss: {"loss": "mse" | "sum" | "ce", "strategy": strategy of its main op or None}.
 
 Example:
@@ -59,6 +60,8 @@ class _Layer(nn.Cell):
         elif self.kind == "reshape":
             self.prim = _shard(ops.Reshape(), s)
             self.back = ops.Reshape()
+        elif self.kind == "dropout":
+            self.prim = _shard(ops.Dropout(keep_prob=spec.get("keep", 0.7)), s)
         else:
             raise ValueError(f"ChainNet: unknown layer op {self.kind!r}")
 
@@ -150,6 +153,7 @@ class ChainLoss(nn.Cell):
 
 
 def _train(layers, loss, data, steps, lr, gather, x_layout_of):
+    minidl.set_seed(data.get("seed", 0))  # the same dropout masks in both runs (the seed is per thread)
     x_np, y_np = data["x"], data["y"]
     net = ChainNet(layers, data["batch"], data["features"], data["arrays"])
     cell = ChainLoss(net, loss)

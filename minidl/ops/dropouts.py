@@ -28,6 +28,9 @@ class Dropout(Primitive):
         seed0, seed1: when either is nonzero, the primitive draws from its own generator
             seeded by them; both 0 (default) use the global seed (``minidl.set_seed``).
 
+    Attribute ``mask_window``: None, or ``(global_shape, index)`` to draw the mask of a larger
+    logical tensor and keep ``mask[index]`` (set by tensor parallelism on each rank's block).
+
     Returns only the output (MindSpore's primitive also returns the mask). The gradient is
     ``gy * mask / keep_prob``, with the mask of the forward call.
 
@@ -46,6 +49,10 @@ class Dropout(Primitive):
         # NOTE: a dict shared by every call's clone (the clone copies attributes by reference),
         # so a seeded primitive's stream advances across calls instead of restarting.
         self._generators = {}
+        # (global_shape, index): draw the mask of a larger logical tensor and keep this window,
+        # so that blocks of one tensor get the blocks of one mask (tensor parallelism: every
+        # rank makes the same draws and keeps its own block). None: the mask has x's shape.
+        self.mask_window = None
 
     def _random(self, xp, shape):
         """Uniform [0, 1) float32 samples of ``shape`` from the generator that owns xp's arrays."""
@@ -71,7 +78,15 @@ class Dropout(Primitive):
             self.mask = None
             return x
         xp = get_array_module(x)
-        keep = self._random(xp, x.shape) < self.keep_prob
+        if self.mask_window is None:
+            u = self._random(xp, x.shape)
+        else:
+            shape, index = self.mask_window
+            u = self._random(xp, tuple(shape))[tuple(index)]
+            if u.shape != x.shape:
+                raise ValueError(f"Dropout: mask_window {tuple(index)} of a mask of shape {tuple(shape)} has shape "
+                                 f"{u.shape}, but x has shape {tuple(x.shape)}")
+        keep = u < self.keep_prob
         # The scaled mask in x's dtype: backward is then a single multiply.
         mask = keep.astype(x.dtype)
         mask *= 1.0 / self.keep_prob

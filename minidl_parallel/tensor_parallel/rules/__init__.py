@@ -1,7 +1,7 @@
 """Sharding rules, one module per operator family; importing them registers them (see base.py)."""
 from .base import (TensorSpec, OpSharding, Decomposed, StrategyError, NoRuleError, Rule, RULES, register,
                    get_rule)
-from . import linalg, elementwise, reduce, softmax, shape, conv, norm  # noqa: F401  (registration)
+from . import linalg, elementwise, reduce, softmax, shape, conv, norm, dropout, indexing  # noqa: F401  (registration)
 
 __all__ = ["TensorSpec", "OpSharding", "Decomposed", "StrategyError", "NoRuleError", "Rule", "RULES", "register",
            "get_rule"]

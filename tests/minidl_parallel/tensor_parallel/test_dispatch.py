@@ -85,17 +85,35 @@ def test_bad_strategy_names_operator_path_shapes_strategy_and_rule_on_every_rank
     assert len({str(e) for e in errors}) == 1
 
 
+class Swish(ops.Primitive):
+    """A user's own primitive: minidl has no sharding rule for it."""
+
+    def forward(self, x):
+        self.x = x
+        return x / (1 + np.exp(-x))
+
+
 def test_operator_without_rule_says_so_by_name():
     class Net(nn.Cell):
         def __init__(self):
             super().__init__()
-            self.drop = ops.Dropout(keep_prob=0.5)
+            self.swish = Swish()
 
         def construct(self, x):
-            return self.drop(x)
+            return self.swish(x)
     errors = _on_ranks(2, lambda: Net()(Tensor(np.ones((4, 4)))))
     assert all(isinstance(e, NoRuleError) for e in errors)
-    assert "Dropout (drop)" in str(errors[0]) and "no sharding rule" in str(errors[0])
+    assert "Swish (swish)" in str(errors[0]) and "no sharding rule" in str(errors[0])
+
+
+def test_every_operator_of_minidl_has_a_sharding_rule():
+    import inspect
+    from minidl_parallel.tensor_parallel.rules import RULES
+    prims = [c for c in vars(ops).values() if inspect.isclass(c) and issubclass(c, ops.Primitive)
+             and c is not ops.Primitive]
+    assert len(prims) > 40
+    missing = [c.__name__ for c in prims if not any(k.__name__ in RULES for k in c.__mro__)]
+    assert missing == []
 
 
 def test_parameter_shared_by_two_operators_with_different_strategies_is_an_error():

@@ -33,7 +33,8 @@ def _cuts(draw, sizes, n):
 
 @st.composite
 def _layer(draw, n, batch, d):
-    op = draw(st.sampled_from(["matmul", "matmul", "bias", "unary", "mul", "softmax", "transpose", "reshape"]))
+    op = draw(st.sampled_from(["matmul", "matmul", "bias", "unary", "mul", "softmax", "transpose", "reshape",
+                               "dropout"]))
     spec = {"op": op}
     explicit = draw(st.booleans())
     if op == "matmul":

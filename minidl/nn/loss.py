@@ -121,6 +121,14 @@ class CrossEntropyLoss(LossBase):
 
     def construct(self, logits, labels):
         shape = tuple(logits.shape)
+        for name, t in (("logits", logits), ("labels", labels)):
+            # Tensor parallelism: a tensor holding a block (logical shape != its array's) would
+            # mix local arrays with logical shapes below and give a wrong loss without error.
+            if isinstance(t, Tensor) and tuple(t.shape) != tuple(t.data.shape):
+                raise ValueError(f"CrossEntropyLoss: {name} of logical shape {tuple(t.shape)} is cut across ranks "
+                                 f"(this rank holds {tuple(t.data.shape)}); CrossEntropyLoss builds arrays from "
+                                 f"local data and cannot run on blocks: use nn.SoftmaxCrossEntropyWithLogits, or "
+                                 f"dataset_strategy='full_batch' with whole logits")
         y = labels.data if isinstance(labels, Tensor) else labels
         xp = get_array_module(logits.data if isinstance(logits, Tensor) else logits, y)
         y = xp.asarray(y)

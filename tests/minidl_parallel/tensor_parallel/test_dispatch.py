@@ -257,3 +257,15 @@ def test_model_checkpoint_and_resume_under_tensor_parallel_equal_an_uninterrupte
         assert (steps, ref_steps) == (2, 4)  # the resumed run trained only the second epoch
         for name, value in ref.items():
             np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_cross_entropy_loss_refuses_blocks_instead_of_a_silently_wrong_loss():
+    x, _ = _data()
+
+    def fn():
+        net = FFN()
+        labels = Tensor(np.zeros(x.shape[0] // 2, np.int32))
+        return nn.CrossEntropyLoss()(net(_local_x(x)), labels)
+    errors = _on_ranks(2, fn, mode="semi_auto_parallel")
+    assert all(isinstance(e, ValueError) for e in errors), errors
+    assert "cut across ranks" in str(errors[0]) and "SoftmaxCrossEntropyWithLogits" in str(errors[0])

@@ -10,6 +10,11 @@ backend under a CommCounter. Every collective and the bytes each rank sends are 
 with the analytical minimum derived below from the layouts alone; the script exits 1 if they
 differ.
 
+Part 0 (in this process): the dispatcher's overhead per operator call, a ReLU on an 8x8
+tensor inside a Cell: plain, dispatched in a world of one (SEMI_AUTO), and with the hooks
+installed but the mode back to STAND_ALONE (what every later op pays once tensor
+parallelism was used in the process).
+
 Part 2 (timing): the same two networks trained for --steps steps under
 ``mpirun --oversubscribe -n N`` (mpi backend), tensor parallel against pure data parallel
 (ParallelMode.DATA_PARALLEL + DistributedGradReducer) on the same N ranks and the same
@@ -121,6 +126,42 @@ def _step_fn(net, loss_fn, reducer=None, opt=None):
             opt(grads)
         return loss
     return step
+
+
+# ---- part 0: dispatch overhead -------------------------------------------------------------------
+
+def part0():
+    import minidl_parallel as mp
+
+    class OneOp(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.relu = ops.ReLU()
+
+        def construct(self, x):
+            return self.relu(x)
+    cell, x = OneOp(), Tensor(np.ones((8, 8), np.float32))
+
+    def us_per_call(reps=5000):
+        for _ in range(200):
+            cell(x)
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(reps):
+                cell(x)
+            best = min(best, (time.perf_counter() - t) / reps * 1e6)
+        return best
+    plain = us_per_call()
+    mp.init("local")
+    mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.SEMI_AUTO_PARALLEL)
+    dispatched = us_per_call()
+    mp.reset_auto_parallel_context()
+    inactive = us_per_call()
+    mp.release()
+    print("part 0: one ReLU (8x8) in a Cell, us per call")
+    print(f"  plain {plain:.1f}   dispatched (SEMI_AUTO, world of one) {dispatched:.1f}   "
+          f"hooks installed, STAND_ALONE {inactive:.1f}\n")
 
 
 # ---- part 1: counts -----------------------------------------------------------------------------
@@ -266,6 +307,7 @@ def main():
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    part0()
     ok = part1(args)
     if args.timing:
         part2(args)

@@ -11,7 +11,7 @@ import weakref
 
 from .layout import Layout
 
-__all__ = ["set_layout", "get_layout", "layout_of", "global_shape_of", "tag_input"]
+__all__ = ["set_layout", "get_layout", "layout_of", "tag_input"]
 
 _table = {}
 _lock = threading.Lock()
@@ -44,11 +44,6 @@ def layout_of(tensor, device_num):
     if entry is not None:
         return entry
     return Layout.replicated(tensor.ndim, device_num), tuple(tensor.shape)
-
-
-def global_shape_of(tensor):
-    entry = get_layout(tensor)
-    return tuple(tensor.shape) if entry is None else entry[1]
 
 
 def tag_input(tensor, dataset_strategy, device_num):

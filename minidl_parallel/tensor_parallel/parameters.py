@@ -10,6 +10,8 @@ parameter is an error (MindSpore's rule for shared parameters), never a silent c
 checkpoints save full tensors and load full tensors into blocks, and optimizer buffers made
 while their parameter was whole are cut like it.
 """
+import weakref
+
 from minidl import backend
 
 from .executor import gather_full, local_block
@@ -32,6 +34,7 @@ def place_parameter(param, layout, shape, rank, who):
         param.data = xp.ascontiguousarray(local_block(param.data, layout, rank)).copy()
         set_layout(param, layout, shape)
         _first_user[id(param)] = who
+        weakref.finalize(param, _first_user.pop, id(param), None)  # an id may be reused after the parameter dies
         return
     if entry[0] != layout:
         first = _first_user.get(id(param), "an earlier operator")

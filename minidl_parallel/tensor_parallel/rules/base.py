@@ -21,7 +21,7 @@ from math import prod
 from ..layout import Layout
 
 __all__ = ["TensorSpec", "OpSharding", "Decomposed", "StrategyError", "NoRuleError", "Rule", "RULES", "register",
-           "get_rule", "device_matrix_for", "tensor_specs", "check_strategy_shape", "largest_cut"]
+           "get_rule", "device_matrix_for", "tensor_specs", "check_counts", "check_strategy_shape", "largest_cut"]
 
 
 class StrategyError(ValueError):
@@ -173,8 +173,8 @@ def device_matrix_for(cuts, device_num):
     return (device_num // used,) + tuple(cuts), 1, (0,)
 
 
-def check_strategy_shape(strategy, args):
-    """Checks one tuple per tensor argument, one cut per dimension, every cut dividing its dimension."""
+def check_counts(strategy, args):
+    """Checks one tuple per tensor argument and one cut per dimension; returns the TensorSpecs."""
     specs = tensor_specs(args)
     if len(strategy) != len(specs):
         raise StrategyError(f"the strategy has {len(strategy)} tuple(s) but the operator takes {len(specs)} tensor "
@@ -183,6 +183,13 @@ def check_strategy_shape(strategy, args):
         if len(s) != spec.ndim:
             raise StrategyError(f"input {i} has rank {spec.ndim} (shape {spec.shape}) but its strategy {tuple(s)} "
                                 f"has {len(s)} cut(s)")
+    return specs
+
+
+def check_strategy_shape(strategy, args):
+    """Checks one tuple per tensor argument, one cut per dimension, every cut dividing its dimension."""
+    specs = check_counts(strategy, args)
+    for i, (s, spec) in enumerate(zip(strategy, specs)):
         for d, (c, n) in enumerate(zip(s, spec.shape)):
             if n % c:
                 raise StrategyError(f"dimension {d} of input {i} has size {n}, not divisible by its cut {c}")

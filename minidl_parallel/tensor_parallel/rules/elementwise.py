@@ -21,7 +21,7 @@ from minidl.ops.math import _Binary
 from minidl.ops.primitive import sum_to_shape
 
 from ..layout import Layout
-from .base import (OpSharding, Rule, StrategyError, TensorSpec, check_strategy_shape, device_matrix_for,
+from .base import (OpSharding, Rule, StrategyError, TensorSpec, check_counts, check_strategy_shape, device_matrix_for,
                    largest_cut, register, tensor_specs)
 
 __all__ = ["UnaryRule", "BinaryRule", "KeepWhere", "UNARY_OPS", "BINARY_OPS"]
@@ -37,19 +37,6 @@ BINARY_OPS = ("Add", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "Equa
 def dims_map(offset, loops):
     """A tensor_map from one loop index per tensor dimension (None: not cut by any loop)."""
     return tuple(() if lp is None else (offset + lp,) for lp in loops)
-
-
-def check_counts(strategy, args):
-    """The arity and rank parts of check_strategy_shape (before rule-specific checks)."""
-    specs = tensor_specs(args)
-    if len(strategy) != len(specs):
-        raise StrategyError(f"the strategy has {len(strategy)} tuple(s) but the operator takes {len(specs)} tensor "
-                            f"input(s)")
-    for i, (s, spec) in enumerate(zip(strategy, specs)):
-        if len(s) != spec.ndim:
-            raise StrategyError(f"input {i} has rank {spec.ndim} (shape {spec.shape}) but its strategy {tuple(s)} "
-                                f"has {len(s)} cut(s)")
-    return specs
 
 
 def tensor_strategy(args, strategy):

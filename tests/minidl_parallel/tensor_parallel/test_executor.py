@@ -1,5 +1,4 @@
 """Running plans on thread-ranks: every block exact, the gradient adjoint, groups cached, bytes counted."""
-from math import lcm
 
 import numpy as np
 import pytest
@@ -14,39 +13,7 @@ from minidl_parallel.tensor_parallel.executor import GroupCache, Redistribute, e
 from minidl_parallel.tensor_parallel.layout import Layout
 from minidl_parallel.tensor_parallel.redistribution import plan_redistribution
 
-WORLDS = (1, 2, 4, 8, 12)
-
-
-# The same drawing of layout pairs as test_redistribution.py (test modules do not import each other).
-def _factorisations(n):
-    if n == 1:
-        return [()]
-    return [(f,) + rest for f in range(2, n + 1) if n % f == 0 for rest in _factorisations(n // f)]
-
-
-@st.composite
-def layouts(draw, n, ndim, op):
-    dm = list(draw(st.sampled_from(_factorisations(n))))
-    if not dm or draw(st.integers(0, 4)) == 0:
-        dm.insert(draw(st.integers(0, len(dm))), 1)
-    tmap, partial = [[] for _ in range(ndim)], []
-    for a in draw(st.permutations(range(len(dm)))):
-        where = draw(st.integers(-2 if op else -1, ndim - 1))
-        if where >= 0:
-            tmap[where].append(a)
-        elif where == -2:
-            partial.append((a, op))
-    return Layout(tuple(dm), tuple(tuple(d) for d in tmap), tuple(partial))
-
-
-@st.composite
-def layout_pairs(draw, n):
-    ndim = draw(st.integers(0, 3))
-    op = draw(st.sampled_from(("sum", "sum", "max")))  # one op: mixed sum/max partials have no order
-    src = draw(layouts(n, ndim, op))
-    dst = draw(layouts(n, ndim, op))
-    shape = tuple(lcm(a, b) * draw(st.integers(1, 2)) for a, b in zip(src.cuts(), dst.cuts()))
-    return src, dst, shape
+from layout_strategies import WORLDS, layout_pairs  # shared with test_redistribution.py
 
 
 def _source_blocks(x, src, rng):

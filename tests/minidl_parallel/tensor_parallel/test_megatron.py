@@ -7,7 +7,6 @@ one device's.
 import numpy as np
 import pytest
 
-import minidl
 from minidl import nn, ops, Parameter, Tensor
 from minidl_parallel.comm.threads import run_threads
 from minidl_parallel.tensor_parallel import CommCounter

@@ -13,7 +13,6 @@ from minidl_parallel.comm.threads import run_threads
 from minidl_parallel.tensor_parallel.dispatch import full_value, gather_like
 from minidl_parallel.tensor_parallel.layout import Layout
 from minidl_parallel.tensor_parallel.rules import StrategyError, TensorSpec, get_rule
-from minidl_parallel.tensor_parallel.rules import dropout as _dropout_rules, indexing as _indexing_rules  # noqa: F401
 from minidl_parallel.tensor_parallel.rules.indexing import index_dims
 
 F64 = np.dtype(np.float64)

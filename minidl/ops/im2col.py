@@ -5,8 +5,10 @@ The layout and the reasons for it are described in conv.py's docstring.
 """
 import numpy
 
+from .. import _intra_op as intra_op
+
 _PAD_MODES = ("valid", "same", "pad")
-_CACHE_BYTES = 4 << 20  # column bytes per chunk of images on the CPU (see _Windows.workspace)
+_CACHE_BYTES = 4 << 20  # column bytes per chunk of images on the CPU (see _Windows.chunking)
 
 
 def _as_strided(xp, a, shape, strides):
@@ -55,9 +57,7 @@ def _window_axis(op, size, k, s, d, mode, pad_lo, pad_hi, what):
 
 
 def _images_per_chunk(xp, n, column_bytes_per_image):
-    """How many images share one im2col + GEMM step (see _Windows.workspace)."""
-    if xp is not numpy:
-        return n
+    """At most how many images share one im2col + GEMM step on the CPU (see _Windows.chunking)."""
     return max(1, min(n, _CACHE_BYTES // column_bytes_per_image))
 
 
@@ -82,20 +82,27 @@ class _Windows:
         self.q = self.pitch if self.flat else self.ow
         self.k = self.c * kernel[0] * kernel[1]
 
-    def workspace(self, xp, dtype):
-        """Chunks of images and the buffers one chunk needs: (chunks, padded images, columns).
+    def chunking(self, xp, dtype):
+        """(chunks of images, threads): the chunks that one im2col + GEMM step each takes, and
+        how many threads run them, chunk i on thread i % threads (see minidl/_intra_op.py)."""
+        if xp is not numpy:
+            return [(0, self.n)], 1
+        per_image = self.k * self.oh * self.q * dtype.itemsize
+        threads = intra_op.get_num_threads()
+        chunks = intra_op.split(self.n, _images_per_chunk(xp, self.n, per_image), threads)
+        return chunks, min(threads, len(chunks))
+
+    def buffers(self, xp, dtype, nb):
+        """(padded images, columns) for chunks of up to nb images; one set per thread.
 
         The padding buffer's border is zeroed once; each chunk only rewrites its interior.
         """
-        per_image = self.k * self.oh * self.q
-        nb = _images_per_chunk(xp, self.n, per_image * dtype.itemsize)
-        chunks = [(n0, min(n0 + nb, self.n)) for n0 in range(0, self.n, nb)]
         xpad = None
         if self.flat or any(self.pads):
             # Flat rows need one spare row: the garbage runs of the last row end inside it.
             rows = self.h + sum(self.pads[:2]) + (1 if self.flat else 0)
             xpad = xp.zeros((nb, self.c, rows, self.pitch), dtype=dtype)
-        return chunks, xpad, xp.empty(per_image * nb, dtype=dtype)
+        return xpad, xp.empty(self.k * self.oh * self.q * nb, dtype=dtype)
 
     def columns(self, xp, x, n0, n1, xpad, buf):
         """Columns of images n0:n1, channel-major: (C*kh*kw, (n1-n0)*OH*Q), copied into buf."""
@@ -145,34 +152,47 @@ def _correlate(xp, x, w, win, group, times=None):
     With ``times`` (an array of y's shape), also returns ``sum_m col[:, m] * times[:, m]``
     per group, (G, K/G, C_times/G): the weight gradient that the input-gradient
     correlation gets almost for free from its own columns (see Conv2D.backward).
+    The chunks run on up to ``intra_op.get_num_threads()`` threads, each with its own buffers
+    and its own partial sum of that product, added up in thread order.
     """
     n, o, oh, ow, q = win.n, w.shape[0], win.oh, win.ow, win.q
     w3 = w.reshape(group, o // group, -1)
     y = xp.empty((n, o, oh, ow), dtype=x.dtype)
-    chunks, xpad, cols = win.workspace(xp, x.dtype)
-    per_chunk = cols.size // win.k
-    outs = xp.empty(o * per_chunk, dtype=x.dtype)
-    acc = None
-    if times is not None:
-        ct = times.shape[1]
-        # Q is the innermost axis, so the garbage columns of flat rows sit at the same buffer
-        # positions in every chunk: zeroed once, they stay zero and add nothing to acc.
-        tbuf = (xp.zeros if q != ow else xp.empty)(ct * per_chunk, dtype=x.dtype)
-        acc = xp.zeros((group, win.k // group, ct // group), dtype=x.dtype)
-    for n0, n1 in chunks:
-        col = win.columns(xp, x, n0, n1, xpad, cols)
-        m = col.shape[1]
-        col = col.reshape(group, -1, m)
-        out = outs[:o * m].reshape(group, o // group, m)
-        xp.matmul(w3, col, out=out)
-        # One transposing copy to NCHW, which also drops the garbage columns of flat rows.
-        y[n0:n1] = out.reshape(o, n1 - n0, oh, q)[..., :ow].transpose(1, 0, 2, 3)
+    chunks, threads = win.chunking(xp, x.dtype)
+    nb = max(n1 - n0 for n0, n1 in chunks)
+    per_chunk = nb * oh * q
+    ct = None if times is None else times.shape[1]
+
+    def run(t):
+        xpad, cols = win.buffers(xp, x.dtype, nb)
+        outs = xp.empty(o * per_chunk, dtype=x.dtype)
+        acc = tbuf = None
         if times is not None:
-            t = tbuf[:ct * m].reshape(ct, n1 - n0, oh, q)
-            t[..., :ow] = times[n0:n1].transpose(1, 0, 2, 3)
-            # (K, m) @ (m, C): BLAS measured this orientation ~1.7x faster than (C, m) @ (m, K).
-            acc += xp.matmul(col, t.reshape(group, ct // group, m).swapaxes(-1, -2))
-    return y if times is None else (y, acc)
+            # Q is the innermost axis, so the garbage columns of flat rows sit at the same buffer
+            # positions in every chunk: zeroed once, they stay zero and add nothing to acc.
+            tbuf = (xp.zeros if q != ow else xp.empty)(ct * per_chunk, dtype=x.dtype)
+            acc = xp.zeros((group, win.k // group, ct // group), dtype=x.dtype)
+        for n0, n1 in chunks[t::threads]:
+            col = win.columns(xp, x, n0, n1, xpad, cols)
+            m = col.shape[1]
+            col = col.reshape(group, -1, m)
+            out = outs[:o * m].reshape(group, o // group, m)
+            xp.matmul(w3, col, out=out)
+            # One transposing copy to NCHW, which also drops the garbage columns of flat rows.
+            y[n0:n1] = out.reshape(o, n1 - n0, oh, q)[..., :ow].transpose(1, 0, 2, 3)
+            if times is not None:
+                tc = tbuf[:ct * m].reshape(ct, n1 - n0, oh, q)
+                tc[..., :ow] = times[n0:n1].transpose(1, 0, 2, 3)
+                # (K, m) @ (m, C): BLAS measured this orientation ~1.7x faster than (C, m) @ (m, K).
+                acc += xp.matmul(col, tc.reshape(group, ct // group, m).swapaxes(-1, -2))
+        return acc
+
+    accs = intra_op.parallel_map(run, threads)
+    if times is None:
+        return y
+    for a in accs[1:]:
+        accs[0] += a
+    return y, accs[0]
 
 
 class _Phases:

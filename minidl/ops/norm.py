@@ -13,6 +13,7 @@ without writing the product out (2x faster than multiply, then sum).
 """
 import numpy
 
+from .. import _intra_op as intra_op
 from ..backend import get_array_module
 from ..tensor import Tensor
 from .primitive import Primitive
@@ -30,11 +31,34 @@ def _check_number(op, name, value, low, high, low_open):
 
 
 def _channel_sum(xp, axis, a, b=None):
-    """Per-channel sum of a (or of a * b, never materialised) over every axis but ``axis``: (C,)."""
+    """Per-channel sum of a (or of a * b, never materialised) over every axis but ``axis``: (C,).
+
+    A large array is summed in blocks of its batch axis on the intra-op threads, and the
+    blocks' sums are added in order.
+    """
     letters = "abcdefghijklmnopqrstuvwxyz"[:a.ndim]
     ins = letters if b is None else f"{letters},{letters}"
-    operands = (a,) if b is None else (a, b)
-    return xp.einsum(f"{ins}->{letters[axis]}", *operands)
+    subscripts = f"{ins}->{letters[axis]}"
+    if b is None:
+        parts = intra_op.map_rows(xp, a, lambda i, j: xp.einsum(subscripts, a[i:j]))
+    else:
+        parts = intra_op.map_rows(xp, a, lambda i, j: xp.einsum(subscripts, a[i:j], b[i:j]))
+    total = parts[0]
+    for p in parts[1:]:
+        total += p
+    return total
+
+
+def _affine(xp, a, k, c, out=None):
+    """``a * k + c`` with per-channel k and c, into a new array (or out), in blocks of the batch
+    axis on the intra-op threads."""
+    out = xp.empty_like(a) if out is None else out
+
+    def block(i, j):
+        xp.multiply(a[i:j], k, out=out[i:j])
+        out[i:j] += c
+    intra_op.map_rows(xp, a, block)
+    return out
 
 
 class BatchNorm(Primitive):
@@ -124,7 +148,8 @@ class BatchNorm(Primitive):
         batch_mean *= inv_count
         # NOTE: the centred x is saved instead of xhat = xc * inv_std: backward folds inv_std into
         # its per-channel factors, which saves a full pass here at no cost there.
-        xc = x - batch_mean
+        xc = xp.empty_like(x)
+        intra_op.map_rows(xp, x, lambda i, j: xp.subtract(x[i:j], batch_mean, out=xc[i:j]))
         # Two-pass variance (mean of centred squares): E[x^2] - E[x]^2 cancels badly in float32.
         batch_var = _channel_sum(xp, axis, xc, xc).reshape(self.kept)
         batch_var *= inv_count
@@ -137,8 +162,7 @@ class BatchNorm(Primitive):
         xp = get_array_module(xc)
         self.inv_std = 1.0 / xp.sqrt(batch_var + self.epsilon)
         self.xc = xc
-        y = xp.multiply(xc, self.scale * self.inv_std)
-        y += bias
+        y = _affine(xp, xc, self.scale * self.inv_std, bias)
         if mean is not None:
             m = self.momentum
             unbiased = batch_var.reshape(mean.shape) * (count / (count - 1))
@@ -180,10 +204,17 @@ class BatchNorm(Primitive):
         """
         xp = get_array_module(gy)
         inv_std, inv_m = self.inv_std, 1.0 / self.count
-        buf = xp.multiply(self.xc, gscale * inv_std * inv_m)
-        buf += gbias * inv_m
-        xp.subtract(gy, buf, out=buf)
-        buf *= self.scale * inv_std
+        k = self.scale * inv_std
+        # gx = gy * k - xc * (k * gscale * inv_std / M) - k * gbias / M, per block of the batch
+        buf = xp.empty_like(gy)
+
+        def block(i, j):
+            b = buf[i:j]
+            xp.multiply(self.xc[i:j], gscale * inv_std * inv_m, out=b)
+            b += gbias * inv_m
+            xp.subtract(gy[i:j], b, out=b)
+            b *= k
+        intra_op.map_rows(xp, gy, block)
         return buf
 
     @staticmethod

@@ -30,11 +30,9 @@ def test_split_covers_every_item_once_in_balanced_chunks(n, per_chunk, t):
     assert chunks[0][0] == 0 and chunks[-1][1] == n
     assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
     sizes = [b - a for a, b in chunks]
-    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
-    if len(chunks) > t:  # more than one round: no chunk above the cap (balanced rounds may be smaller)
-        assert max(sizes) <= per_chunk
-    if n >= t:
-        assert len(chunks) % t == 0  # every thread gets as many chunks
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1 and max(sizes) <= per_chunk
+    # Whole rounds of one chunk per thread, unless there are too few items for that.
+    assert len(chunks) == min(n, t * -(-n // (t * per_chunk)))
 
 
 @needs_local_blas
@@ -121,3 +119,39 @@ def test_forked_child_gets_its_own_pool(threads):
     child.join(timeout=60)
     assert child.exitcode == 0
     assert queue.get(timeout=5) == 4 * 3 * 3 * 3 * 18  # 4 images, 3 channels out, 3x3 outputs of 18
+
+
+@needs_local_blas
+def test_batchnorm_and_relu_in_row_blocks_equal_one_block(threads, monkeypatch):
+    """Every array large enough for blocks (threshold 0), on 3 threads (7 images: blocks of
+    3, 2, 2) vs one block: ReLU exactly, BatchNorm to rounding (the per-channel sums add
+    their blocks' partial sums)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((7, 4, 5, 3)) + 2.0
+    gamma, beta = rng.standard_normal(4), rng.standard_normal(4)
+
+    def run():
+        bn, relu = ops.BatchNorm(is_training=True), ops.ReLU()
+        mean, var = Tensor(np.zeros(4)), Tensor(np.ones(4))
+
+        def loss(a, g, b):
+            out = relu(bn(a, g, b, mean, var))
+            return (out * Tensor(np.sin(np.arange(out.size)).reshape(out.shape))).sum()
+        value, grads = minidl.value_and_grad(loss, grad_position=(0, 1, 2))(Tensor(x), Tensor(gamma), Tensor(beta))
+        return [value.asnumpy()] + [g.asnumpy() for g in grads] + [mean.asnumpy(), var.asnumpy()]
+
+    threads(1)
+    one = run()
+    monkeypatch.setattr(intra_op, "MIN_PARALLEL_BYTES", 0)
+    threads(3)
+    calls = []
+    real_map = intra_op.parallel_map
+    monkeypatch.setattr(intra_op, "parallel_map", lambda fn, n: calls.append(n) or real_map(fn, n))
+    blocked = run()
+    assert calls and set(calls) == {3}  # the blocked paths ran
+    for a, b in zip(one, blocked):
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
+
+    relu_x = rng.standard_normal((9, 4096))
+    y = ops.ReLU()(Tensor(relu_x)).asnumpy()
+    np.testing.assert_array_equal(y, np.maximum(relu_x, 0))

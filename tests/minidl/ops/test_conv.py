@@ -105,6 +105,30 @@ def test_short_last_chunk(pad_mode, stride):
         check_op(op, [x, w], reference=lambda x, w: ref_conv(x, w, (stride, stride), (pad,) * 4))
 
 
+@pytest.mark.parametrize("kernel, dilation, pads", [
+    ((3, 3), (1, 1), (1, 1, 1, 1)),   # the ResNet conv
+    ((3, 3), (1, 2), (1, 1, 0, 4)),   # all the width padding on the right, dilated
+    ((1, 5), (1, 1), (0, 0, 3, 1)),   # lopsided, more than half the kernel on the left
+    ((2, 2), (1, 1), (0, 1, 0, 1)),   # even kernel: 'same' pads after only
+    ((3, 3), (1, 1), (2, 0, 1, 1)),   # vertical padding all on top
+])
+def test_masked_flat_rows(kernel, dilation, pads):
+    """Stride 1 with the output as wide as the input: rows with no horizontal padding, the
+    windows that cross a row end zeroed in the columns. Checked against the loop reference
+    on an image narrower than the kernel's reach and on a wider one, chunked and not."""
+    rng = np.random.default_rng(11)
+    for h, wd in ((4, 2), (5, 6)):
+        x, w = rng.standard_normal((3, 2, h, wd)), rng.standard_normal((4, 2) + kernel)
+        op = ops.Conv2D(4, kernel, pad_mode="pad", pad=pads, dilation=dilation)
+        ow = wd + pads[2] + pads[3] - (kernel[1] - 1) * dilation[1]
+        oh = h + pads[0] + pads[1] - (kernel[0] - 1) * dilation[0]
+        assert im2col_module._Windows(x.shape, kernel, (1, 1), dilation, pads, (oh, ow)).masked
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(im2col_module, "_images_per_chunk", lambda xp, n, nbytes: 2)
+            check_op(op, [x, w], reference=lambda x, w: ref_conv(x, w, (1, 1), pads, dilation))
+        check_op(op, [x, w], reference=lambda x, w: ref_conv(x, w, (1, 1), pads, dilation))
+
+
 def test_same_pads_extra_pixel_at_bottom_right():
     # H = W = 5, kernel 2, stride 2: output 3x3, one pixel of padding, below / right only.
     x = np.arange(25.0).reshape(1, 1, 5, 5)

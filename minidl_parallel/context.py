@@ -8,8 +8,9 @@ The state is process-global, except under the threads backend where each thread-
   ``MPI.COMM_WORLD.Abort(1)``, so one rank's exception ends the whole job at once instead
   of leaving the others hanging in a collective (as ChainerMN's global_except_hook);
 - limits BLAS threads to ``max(1, cores // local ranks)`` through threadpoolctl when it is
-  installed (optional; skipped when OMP_NUM_THREADS is set), so 8 ranks on a small machine
-  do not thrash.
+  installed (optional; skipped when OMP_NUM_THREADS is set), and minidl's intra-op threads
+  (``minidl.set_num_threads``) to the same unless MINIDL_NUM_THREADS is set, so 8 ranks on
+  a small machine do not thrash.
 
 When the mode is DATA_PARALLEL (set before or after ``init``), ``minidl.train`` builds
 Models with a DistributedGradReducer and ``minidl.dataset`` sources shard by rank: the
@@ -19,6 +20,8 @@ import os
 import sys
 import threading
 import traceback
+
+import minidl
 
 __all__ = ["init", "release", "get_rank", "get_group_size", "get_local_rank", "get_local_rank_size",
            "get_communicator", "is_initialized", "launched_under_mpi", "ParallelMode", "set_auto_parallel_context",
@@ -317,8 +320,12 @@ def _install_except_hook(comm):
 def _limit_blas_threads(local_size):
     if local_size <= 1 or "OMP_NUM_THREADS" in os.environ or _hooks["blas"] is not None:
         return
+    limit = max(1, (os.cpu_count() or 1) // local_size)
+    if "MINIDL_NUM_THREADS" not in os.environ:
+        # minidl's own intra-op threads (conv chunks, BatchNorm blocks) share the cores too.
+        minidl.set_num_threads(min(limit, minidl.get_num_threads()))
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
         return
-    _hooks["blas"] = threadpool_limits(limits=max(1, (os.cpu_count() or 1) // local_size), user_api="blas")
+    _hooks["blas"] = threadpool_limits(limits=limit, user_api="blas")

@@ -91,3 +91,25 @@ def test_threads_init_outside_run_threads_is_a_world_of_one():
     comm = mp.init("threads")
     assert (comm.rank, comm.size) == (0, 1)
     np.testing.assert_array_equal(comm.allreduce(np.ones(2), "mean"), np.ones(2))
+
+
+def test_ranks_on_one_machine_share_its_cores_for_intra_op_threads(monkeypatch):
+    """With 4 ranks per machine, each rank's intra-op threads drop to cores // 4 (at least 1),
+    unless the user chose them (MINIDL_NUM_THREADS) or the thread count (OMP_NUM_THREADS)."""
+    import os
+    import minidl
+    from minidl_parallel import context
+    before = minidl.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MINIDL_NUM_THREADS", raising=False)
+    monkeypatch.setitem(context._hooks, "blas", None)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    calls = []
+    monkeypatch.setattr(minidl, "set_num_threads", calls.append)
+    monkeypatch.setitem(__import__("sys").modules, "threadpoolctl", None)  # no threadpoolctl: import fails
+    context._limit_blas_threads(4)
+    assert calls == [min(2, before)]
+    calls.clear()
+    monkeypatch.setenv("MINIDL_NUM_THREADS", "3")
+    context._limit_blas_threads(4)
+    assert calls == []

@@ -41,6 +41,7 @@ from ..backend import get_array_module
 from ..tensor import is_grad_enabled
 from .primitive import Primitive
 from .im2col import _PAD_MODES, _is_int, _pair, _pad_mode, _window_axis, _Windows, _correlate, _Phases
+from . import winograd
 
 
 class Conv2D(Primitive):
@@ -127,7 +128,10 @@ class Conv2D(Primitive):
         oh, pt, pb = _window_axis(self.name, h, kh, sh, dh, self.pad_mode, pt, pb, where)
         ow, pl, pr = _window_axis(self.name, wd, kw, sw, dw, self.pad_mode, pl, pr, where)
         keep = is_grad_enabled()
-        self.phases = None
+        self.phases = self.wino = None
+        if winograd.applies(xp, x.dtype, (kh, kw), (sh, sw), (dh, dw), g, (pt, pb, pl, pr), (c, o)):
+            self.wino = winograd.Winograd3x3(x.shape, (pt, pb, pl, pr), (oh, ow))
+            return self.wino.forward(xp, x, w, keep)
         if (sh, sw) != (1, 1) and g == 1 and (dh, dw) == (1, 1) and _Phases.exact(self.kernel_size, self.stride):
             # Strided: the same convolution at stride 1 over the stride phases of x (see _Phases).
             self.phases = _Phases(x.shape, self.kernel_size, self.stride, (pt, pl), (oh, ow))
@@ -145,6 +149,8 @@ class Conv2D(Primitive):
 
     def backward(self, gy):
         xp = get_array_module(gy)
+        if self.wino is not None:
+            return self.wino.backward(xp, gy, *self.needs_grad)
         gx, gw = self._backward(xp, gy)
         if self.phases is not None:
             gx = None if gx is None else self.phases.merge_x(xp, gx)

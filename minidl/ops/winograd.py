@@ -50,11 +50,11 @@ def applies(xp, dtype, kernel, stride, dilation, group, pads, channels):
             and all(0 <= p <= 2 for p in pads) and min(channels) >= MIN_CHANNELS)
 
 
-# Off unless MINIDL_WINOGRAD=1: on the 2-core machine of 2026-11-23 it made the isolated 32- and
-# 64-channel ResNet-20 convs 1.25-1.35x faster on one thread, but the whole ResNet-20 step no
-# faster on one or two (849 vs 855 ms, 1086 vs 1111 ms): its transforms are memory passes, and
-# the second thread gained them nothing. It stays as an exact, tested option to measure on
-# other machines (benchmarks/bench_conv.py --winograd).
+# Off unless MINIDL_WINOGRAD=1. On the 2-core machine of 2026-11-23 (benchmarks/bench_winograd.py)
+# it made the 32- and 64-channel ResNet-20 convs 1.1-1.3x faster on one thread but no faster on
+# two, and the whole step 1-9% faster across runs, inside that machine's noise: its transforms
+# are memory passes, which the second thread did not speed up. It stays as an exact, tested
+# option to measure on other machines.
 ENABLED = os.environ.get("MINIDL_WINOGRAD", "0") == "1"
 MIN_CHANNELS = 32  # 16-channel convs measured slower than im2col even in isolation
 _CHUNK_BYTES = 2 << 20  # V and M of one chunk of tile rows (see Winograd3x3._chunks)

@@ -166,10 +166,23 @@ def test_other_convs_stay_on_im2col(kwargs, x_shape, dtype, on):
     assert op.wino is None
 
 
-def test_channel_floor_and_default(monkeypatch):
-    """Off by default (MINIDL_WINOGRAD unset); when on, convs below MIN_CHANNELS stay on im2col."""
-    monkeypatch.delenv("MINIDL_WINOGRAD", raising=False)
-    assert winograd.applies(np, np.float32, (3, 3), (1, 1), (1, 1), 1, (1,) * 4, (64, 64)) == winograd.ENABLED
+@pytest.mark.parametrize("env, expected", [(None, "False"), ("0", "False"), ("1", "True")])
+def test_off_unless_asked(env, expected):
+    """MINIDL_WINOGRAD=1 turns the path on at import; unset or anything else leaves it off."""
+    import os
+    import subprocess
+    import sys
+    environ = {k: v for k, v in os.environ.items() if k != "MINIDL_WINOGRAD"}
+    if env is not None:
+        environ["MINIDL_WINOGRAD"] = env
+    out = subprocess.run([sys.executable, "-c", "from minidl.ops import winograd; print(winograd.ENABLED)"],
+                         env=environ, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == expected
+
+
+def test_channel_floor(monkeypatch):
+    """When on, convs with fewer than MIN_CHANNELS channels in or out stay on im2col."""
     monkeypatch.setattr(winograd, "ENABLED", True)
     assert winograd.applies(np, np.float32, (3, 3), (1, 1), (1, 1), 1, (1,) * 4, (32, 64))
     assert not winograd.applies(np, np.float32, (3, 3), (1, 1), (1, 1), 1, (1,) * 4, (16, 64))
+    assert not winograd.applies(np, np.float32, (3, 3), (1, 1), (1, 1), 1, (1,) * 4, (64, 16))

@@ -6,11 +6,9 @@ The layout and the reasons for it are described in conv.py's docstring.
 import numpy
 
 from .. import _intra_op as intra_op
-from .._transpose import transpose_into
 
 _PAD_MODES = ("valid", "same", "pad")
-_CACHE_BYTES = 2 << 20  # column bytes per chunk of images on the CPU (see _Windows.chunking)
-TRANSPOSED = True  # NumPy, ungrouped: out^T = col^T @ w^T (see _correlate); a switch for A/B benchmarks
+_CACHE_BYTES = 4 << 20  # column bytes per chunk of images on the CPU (see _Windows.chunking)
 
 
 def _as_strided(xp, a, shape, strides):
@@ -224,16 +222,11 @@ def _correlate(xp, x, w, win, group, times=None):
     nb = max(n1 - n0 for n0, n1 in chunks)
     per_chunk = nb * oh * q
     ct = None if times is None else times.shape[1]
-    # out^T (m, O) = col^T (m, K) @ w^T (K, O), then a blocked transpose to (O, m): OpenBLAS ran
-    # this orientation 1.3-1.7x faster than (O, K) @ (K, m) on ResNet's 16-64 channel shapes,
-    # with w^T contiguous (benchmarks/bench_gemm.py).
-    w_t = xp.ascontiguousarray(w3[0].T) if TRANSPOSED and group == 1 and xp is numpy else None
 
     def run(t):
         xpad, cols = win.buffers(xp, x.dtype, nb)
         pitch = _row_pitch(per_chunk, x.itemsize)
         outs = xp.empty(o * pitch, dtype=x.dtype)
-        out_t = None if w_t is None else xp.empty((per_chunk, o), dtype=x.dtype)
         acc = tbuf = None
         if times is not None:
             # Q is the innermost axis, so the garbage columns of flat rows sit at the same buffer
@@ -245,11 +238,7 @@ def _correlate(xp, x, w, win, group, times=None):
             m = col.shape[1]
             col = col.reshape(group, -1, m)
             out = _rows(outs, o, m)
-            if w_t is None:
-                xp.matmul(w3, col, out=out.reshape(group, o // group, m))
-            else:
-                xp.matmul(col[0].T, w_t, out=out_t[:m])
-                transpose_into(xp, out_t[:m], out)
+            xp.matmul(w3, col, out=out.reshape(group, o // group, m))
             # One transposing copy to NCHW, which also drops the garbage columns of flat rows.
             y[n0:n1] = out.reshape(o, n1 - n0, oh, q)[..., :ow].transpose(1, 0, 2, 3)
             if times is not None:

@@ -8,7 +8,8 @@ it is installed: `pip install torch==2.13.0`). Also prints the framework overhea
 tiny op (the cost of the Python layer around a 1-element NumPy add).
 
 Each framework runs in its own worker process, and the workers alternate for ``--repeats``
-rounds; the best round of each is kept. In one process the spin-waiting worker threads of
+rounds; each round reports the median step time of its ``--steps`` steps (as
+bench_conv.py does), and the best round of each framework is kept. In one process the spin-waiting worker threads of
 OpenBLAS (NumPy) and OpenMP (PyTorch) take the 2 cores from each other and slow minidl
 down by 2x or more, which would measure the neighbour, not the framework.
 """
@@ -112,10 +113,14 @@ def torch_step_fn(name):
 
 
 def time_steps(step, x, y, steps):
-    t0 = time.perf_counter()
+    """The median seconds of ``steps`` steps: a few steps slowed by a neighbour on the host (this
+    2-core VM measured single steps 1.5x above the median) do not move it, where they move a mean."""
+    times = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         step(x, y)
-    return (time.perf_counter() - t0) / steps
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def worker(framework, name):

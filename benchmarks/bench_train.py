@@ -113,8 +113,8 @@ def torch_step_fn(name):
 
 
 def time_steps(step, x, y, steps):
-    """The median seconds of ``steps`` steps: a few steps slowed by a neighbour on the host (this
-    2-core VM measured single steps 1.5x above the median) do not move it, where they move a mean."""
+    """The median seconds of ``steps`` steps: a few steps slowed by a neighbour on a shared host
+    do not move it, where they move a mean."""
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()

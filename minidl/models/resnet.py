@@ -35,14 +35,12 @@ class BasicBlock(nn.Cell):
         self.bn1 = nn.BatchNorm2d(cout)
         self.conv2 = _conv3x3(cout, cout)
         self.bn2 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU()
         self.down_sample = _shortcut(cin, cout, stride)
 
     def construct(self, x):
         identity = x if self.down_sample is None else self.down_sample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return self.relu(out + identity)
+        out = self.bn1.with_relu(self.conv1(x))
+        return self.bn2.with_relu(self.conv2(out), identity)
 
 
 class Bottleneck(nn.Cell):
@@ -59,15 +57,13 @@ class Bottleneck(nn.Cell):
         self.bn2 = nn.BatchNorm2d(width)
         self.conv3 = _conv1x1(width, cout)
         self.bn3 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU()
         self.down_sample = _shortcut(cin, cout, stride)
 
     def construct(self, x):
         identity = x if self.down_sample is None else self.down_sample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        return self.relu(out + identity)
+        out = self.bn1.with_relu(self.conv1(x))
+        out = self.bn2.with_relu(self.conv2(out))
+        return self.bn3.with_relu(self.conv3(out), identity)
 
 
 class ResNet(nn.Cell):
@@ -87,7 +83,6 @@ class ResNet(nn.Cell):
             raise ValueError(f"ResNet: layers {layers} and widths {widths} must have the same length")
         self.conv1 = _conv3x3(in_channels, widths[0])
         self.bn1 = nn.BatchNorm2d(widths[0])
-        self.relu = nn.ReLU()
         stages, cin = [], widths[0]
         for i, (n, width) in enumerate(zip(layers, widths)):
             blocks = []
@@ -101,7 +96,7 @@ class ResNet(nn.Cell):
         self.fc = nn.Dense(cin, num_classes)
 
     def construct(self, x):
-        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.bn1.with_relu(self.conv1(x))
         x = self.layers(x)
         x = self.mean(x, (2, 3))
         return self.fc(x)

@@ -14,6 +14,7 @@ from .loss import *  # noqa: F401,F403
 from .conv import *  # noqa: F401,F403
 from .pool import *  # noqa: F401,F403
 from .norm import *  # noqa: F401,F403
+from .norm_relu import *  # noqa: F401,F403
 from .dropouts import *  # noqa: F401,F403
 from . import tensor_methods as _tensor_methods
 

@@ -21,8 +21,9 @@ without zero taps (1x1 strided, 2x2 stride 2) is rewritten as a stride-1 one ove
 stride phases of x (space-to-depth, ``_Phases``). Other strided convs use the plain 6-D
 ``as_strided`` window view.
 
-Chunks. On the CPU the batch goes through in chunks of images whose columns fit in the
-last-level cache (``_CACHE_BYTES``); padding, im2col and GEMM of a chunk then stay in cache,
+Chunks. On the CPU the batch goes through in chunks of images whose columns, those of all
+threads' chunks together, fit in the last-level cache (``_CACHE_BYTES``); padding, im2col and
+GEMM of a chunk then stay in cache,
 which halved the time of the 16- and 32-channel convs against one whole-batch im2col. The
 chunks run on ``minidl.get_num_threads()`` threads, each with its own buffers and a
 single-threaded BLAS (minidl/_intra_op.py), so the copies use every core too. No column

@@ -163,12 +163,16 @@ class BatchNorm(Primitive):
         self.inv_std = 1.0 / xp.sqrt(batch_var + self.epsilon)
         self.xc = xc
         y = _affine(xp, xc, self.scale * self.inv_std, bias)
+        self._update_running(mean, variance, batch_mean, batch_var, count)
+        return y
+
+    def _update_running(self, mean, variance, batch_mean, batch_var, count):
+        """Folds the batch statistics into the running ones, in place (none when mean is None)."""
         if mean is not None:
             m = self.momentum
             unbiased = batch_var.reshape(mean.shape) * (count / (count - 1))
             mean[...] = (1.0 - m) * mean + m * batch_mean.reshape(mean.shape)
             variance[...] = (1.0 - m) * variance + m * unbiased
-        return y
 
     def backward(self, gy):
         xp = get_array_module(gy)

@@ -89,7 +89,7 @@ def test_conv_on_threads_equals_one_thread(threads, monkeypatch, stride, pad):
     """Chunks of 2 images on 3 threads (uneven rounds) vs the serial loop: the same values;
     the weight gradient differs only by the order its per-thread partial sums are added."""
     from minidl.ops import im2col
-    monkeypatch.setattr(im2col, "_images_per_chunk", lambda xp, n, nbytes: 2)
+    monkeypatch.setattr(im2col, "_images_per_chunk", lambda xp, n, nbytes, threads=1: 2)
     rng = np.random.default_rng(3)
     x, w = rng.standard_normal((9, 3, 7, 6)), rng.standard_normal((4, 3, 3, 3))
     threads(1)

@@ -85,7 +85,7 @@ def test_conv2d_in_chunks_of_images(case, n):
     reps = -(-n // case["x"].shape[0])
     case = dict(case, x=np.concatenate([case["x"]] * reps)[:n])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(im2col_module, "_images_per_chunk", lambda xp, n, nbytes: 2)
+        mp.setattr(im2col_module, "_images_per_chunk", lambda xp, n, nbytes, threads=1: 2)
         run_case(case)
 
 
@@ -101,7 +101,7 @@ def test_short_last_chunk(pad_mode, stride):
     pad = 1 if pad_mode == "pad" else 0
     op = ops.Conv2D(3, (3, 2), pad_mode=pad_mode, pad=pad, stride=stride)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(im2col_module, "_images_per_chunk", lambda xp, n, nbytes: 2)
+        mp.setattr(im2col_module, "_images_per_chunk", lambda xp, n, nbytes, threads=1: 2)
         check_op(op, [x, w], reference=lambda x, w: ref_conv(x, w, (stride, stride), (pad,) * 4))
 
 
@@ -124,7 +124,7 @@ def test_masked_flat_rows(kernel, dilation, pads):
         oh = h + pads[0] + pads[1] - (kernel[0] - 1) * dilation[0]
         assert im2col_module._Windows(x.shape, kernel, (1, 1), dilation, pads, (oh, ow)).masked
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(im2col_module, "_images_per_chunk", lambda xp, n, nbytes: 2)
+            mp.setattr(im2col_module, "_images_per_chunk", lambda xp, n, nbytes, threads=1: 2)
             check_op(op, [x, w], reference=lambda x, w: ref_conv(x, w, (1, 1), pads, dilation))
         check_op(op, [x, w], reference=lambda x, w: ref_conv(x, w, (1, 1), pads, dilation))
 

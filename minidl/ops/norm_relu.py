@@ -1,0 +1,222 @@
+"""BatchNormReLU: ``relu(batch_norm(x) + residual)`` in one op, for the BN-ReLU pairs of ResNets.
+
+Why fuse. On a CPU whose cores share a few GB/s of memory bandwidth, BatchNorm, the residual
+Add and ReLU are memory passes, not arithmetic: separately they read and write the
+activation about eight times forward (batch sums, the centred copy, its squares, the
+affine output, the add, the max) and seven times backward. Fused, each block of images is
+read once from memory and then worked on while it sits in the core's cache
+(``_BLOCK_BYTES``): forward reads x twice (statistics, then output) and writes y once,
+backward reads its inputs twice and writes the gradients. Nothing the size of x is kept but
+x itself (the convolution's output, alive anyway) and y (the next layer's input).
+
+Numerics. The batch variance is not taken as E[x^2] - E[x]^2, which cancels in float32:
+each block's mean and centred sum of squares are exact two-pass values on the cached block,
+and the blocks are merged with Chan et al.'s pairwise update. The backward sum of
+``g * (x - mean)`` is formed on the cached block, centred, for the same reason.
+
+The op computes what BatchNorm followed by Add and ReLU compute (tests/minidl/ops/
+test_norm_relu.py checks both, and finite differences). At a kink (``bn(x) + residual == 0``)
+the gradient is 0, as ReLU's.
+"""
+import numpy
+
+from .. import _intra_op as intra_op
+from ..backend import get_array_module
+from .norm import BatchNorm
+
+_BLOCK_BYTES = 256 << 10  # a block of images per step: it and its scratch stay in a core's L2
+
+
+class BatchNormReLU(BatchNorm):
+    """``max(batch_norm(x, scale, bias, mean, variance) + residual, 0)``; residual is optional.
+
+    Args:
+        is_training, epsilon, momentum: as ops.BatchNorm (momentum weighs the NEW statistic).
+
+    Inputs:
+        x: (N, C, ...) with channels on axis 1; scale, bias, mean, variance: (C,);
+        residual (optional): an array of x's shape, added before the ReLU.
+        In training, mean and variance are updated in place (None skips the update).
+
+    Gradients flow to x, scale, bias and residual.
+
+    Example:
+        >>> fused = ops.BatchNormReLU(is_training=True)
+        >>> y = fused(x, gamma, beta, moving_mean, moving_variance, identity)   # ResNet's block end
+    """
+
+    n_inputs = (5, 6)
+
+    def __init__(self, is_training=False, epsilon=1e-5, momentum=0.1):
+        super().__init__(is_training, epsilon, momentum, "NCHW")
+
+    def forward(self, x, scale, bias, mean, variance, residual=None):
+        axis, channels = self._check(x, scale, bias, mean, variance)
+        if residual is not None and (tuple(residual.shape) != tuple(x.shape) or residual.dtype != x.dtype):
+            raise ValueError(f"{self.name}: residual of shape {tuple(residual.shape)} and dtype {residual.dtype} "
+                             f"must match x: shape {tuple(x.shape)}, dtype {x.dtype}")
+        xp = get_array_module(x)
+        dtype = x.dtype
+        self.kept = (1, channels) + (1,) * (x.ndim - 2)
+        self.scale_dtype, self.bias_dtype = scale.dtype, bias.dtype
+        scale = scale.astype(dtype, copy=False).reshape(self.kept)
+        self.count = x.size // max(channels, 1)
+        if self.is_training:
+            if self.count < 2:
+                raise ValueError(f"{self.name}: expected more than 1 value per channel when training, got input "
+                                 f"of shape {tuple(x.shape)} (the batch variance is undefined)")
+            self.mu, batch_var = _batch_moments(xp, x, self.kept)
+            self._update_running(mean, variance, self.mu, batch_var, self.count)
+        else:
+            self.mu = mean.astype(dtype, copy=False).reshape(self.kept)
+            batch_var = variance.astype(dtype, copy=False).reshape(self.kept)
+        self.inv_std = 1.0 / xp.sqrt(batch_var + self.epsilon)
+        self.k = scale * self.inv_std
+        shift = bias.astype(dtype, copy=False).reshape(self.kept) - self.mu * self.k
+        y = xp.empty_like(x)
+
+        def block(i, j, scratch):
+            out = y[i:j]
+            xp.multiply(x[i:j], self.k, out=out)
+            out += shift
+            if residual is not None:
+                out += residual[i:j]
+            _relu_in_place(xp, out)
+        _blocks(xp, x, block)
+        self.x, self.y = x, y
+        return y
+
+    def backward(self, gy):
+        xp = get_array_module(gy)
+        need_x, need_scale, need_bias = self.needs_grad[:3]
+        need_res = len(self.needs_grad) > 5 and self.needs_grad[5]
+        x, y, mu, k, inv_std = self.x, self.y, self.mu, self.k, self.inv_std
+        # g = gy where the output is positive: the gradient below the ReLU, and the residual's.
+        g = xp.empty_like(gy)
+
+        def sums(i, j, scratch):
+            gb = g[i:j]
+            xp.multiply(gy[i:j], y[i:j] > 0, out=gb)
+            xc = scratch[:j - i]
+            xp.subtract(x[i:j], mu, out=xc)
+            return _channel_sums(xp, gb), _channel_sums(xp, gb, xc)
+        parts = _blocks(xp, x, sums)
+        gbias, gxc = parts[0]  # sum(g) and sum(g * (x - mean)) per channel
+        for pb, pc in parts[1:]:
+            gbias, gxc = gbias + pb, gxc + pc
+        gscale = gxc * inv_std.reshape(-1)
+        gx = None
+        if need_x:
+            if not self.is_training:
+                gx = g * k if need_res else _scale_in_place(xp, g, k)
+            else:
+                # gx = k * (g - mean(g) - xhat * mean(g * xhat)), xhat = (x - mean) * inv_std
+                inv_m = 1.0 / self.count
+                a = (k * gxc.reshape(self.kept) * inv_std * inv_std * inv_m).astype(gy.dtype, copy=False)
+                c = (mu * a - k * gbias.reshape(self.kept) * inv_m).astype(gy.dtype, copy=False)
+                gx = g if not need_res else xp.empty_like(g)
+
+                def grad(i, j, scratch):
+                    t = scratch[:j - i]
+                    xp.multiply(x[i:j], a, out=t)
+                    xp.multiply(g[i:j], k, out=gx[i:j])
+                    gx[i:j] -= t
+                    gx[i:j] += c
+                _blocks(xp, x, grad)
+        channels = gscale.size
+        gscale = self._cast(gscale.reshape(channels), self.scale_dtype) if need_scale else None
+        gbias = self._cast(gbias.reshape(channels), self.bias_dtype) if need_bias else None
+        grads = (gx, gscale, gbias, None, None)
+        if len(self.needs_grad) > 5:
+            grads += (g if need_res else None,)
+        return grads
+
+
+def _channel_sums(xp, a, b=None):
+    """Per-channel sum over every axis but 1 of a, or of a * b (not written out): (C,)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"[:a.ndim]
+    ins = letters if b is None else f"{letters},{letters}"
+    return xp.einsum(f"{ins}->b", a, *(() if b is None else (b,)))
+
+
+_zero_rows = {}
+
+
+def _relu_in_place(xp, a):
+    """a = max(a, 0). On NumPy against a row of zeros, not the scalar 0: the scalar operand misses
+    NumPy's SIMD loop (see ops/math.py's _relu)."""
+    if xp is not numpy:
+        xp.maximum(a, 0, out=a)
+        return
+    rows = a.reshape(a.shape[0], -1)
+    key = (rows.shape[1], a.dtype)
+    zeros = _zero_rows.get(key)
+    if zeros is None:
+        zeros = _zero_rows[key] = numpy.zeros(rows.shape[1], dtype=a.dtype)
+    xp.maximum(rows, zeros, out=rows)
+
+
+def _scale_in_place(xp, a, k):
+    a *= k
+    return a
+
+
+def _blocks(xp, x, fn):
+    """[fn(i, j, scratch) for blocks i:j of x's first axis], in order.
+
+    On NumPy, the rows are split over the intra-op threads, and each thread walks its part in
+    blocks of about ``_BLOCK_BYTES``, with a scratch array of one block; on other array
+    modules, one block of all rows.
+    """
+    n = x.shape[0]
+    if xp is not numpy:
+        return [fn(0, n, xp.empty_like(x))]
+    row = max(1, x.nbytes // max(n, 1))
+    per_block = max(1, min(n, _BLOCK_BYTES // row))
+    threads = min(intra_op.get_num_threads(), n) if x.nbytes >= intra_op.MIN_PARALLEL_BYTES else 1
+    spans = intra_op.split(n, -(-n // threads), threads)
+
+    def run(t):
+        i0, i1 = spans[t]
+        scratch = xp.empty((min(per_block, i1 - i0),) + x.shape[1:], dtype=x.dtype)
+        return [fn(i, min(i + per_block, i1), scratch) for i in range(i0, i1, per_block)]
+    out = []
+    for part in intra_op.parallel_map(run, len(spans)):
+        out.extend(part)
+    return out
+
+
+def _batch_moments(xp, x, kept):
+    """(mean, biased variance) per channel, each (kept) shaped, from exact per-block moments
+    merged pairwise (Chan, Golub and LeVeque), in block order."""
+    per_image = x.size // max(x.shape[0], 1) // x.shape[1]
+
+    def moments(i, j, scratch):
+        count = (j - i) * per_image
+        mean = _channel_sums(xp, x[i:j]) / count
+        xc = scratch[:j - i]
+        xp.subtract(x[i:j], mean.reshape(kept), out=xc)
+        return count, mean, _channel_sums(xp, xc, xc)
+    parts = _blocks(xp, x, moments)
+    count, mean, m2 = parts[0]
+    for nb, mb, m2b in parts[1:]:
+        total = count + nb
+        delta = mb - mean
+        mean = mean + delta * (nb / total)
+        m2 = m2 + m2b + delta * delta * (count * nb / total)
+        count = total
+    return mean.reshape(kept).astype(x.dtype, copy=False), (m2 / count).reshape(kept).astype(x.dtype, copy=False)
+
+
+def batch_norm_relu(x, running_mean, running_var, weight, bias, residual=None, training=False, momentum=0.1,
+                    eps=1e-5):
+    """``relu(batch_norm(x) + residual)`` in one op (see BatchNormReLU); arguments as ops.batch_norm.
+
+    Example:
+        >>> y = ops.batch_norm_relu(x, moving_mean, moving_var, gamma, beta, identity, training=True)
+    """
+    args = (x, weight, bias, running_mean, running_var) + (() if residual is None else (residual,))
+    return BatchNormReLU(bool(training), eps, momentum)(*args)
+
+
+__all__ = ["BatchNormReLU", "batch_norm_relu"]

@@ -49,10 +49,21 @@ def _channel_sum(xp, axis, a, b=None):
     return total
 
 
-def _affine(xp, a, k, c, out=None):
+def _per_channel(xp, v, x, axis=1):
+    """A per-channel array (C on ``axis``, 1 elsewhere) as one contiguous image of x, (1, C, H, W),
+    when the channels are axis 1 of an N-D NumPy x: as an operand that repeats along the batch
+    axis only, NumPy runs its SIMD loops, where per-channel values repeated with stride 0
+    along the rows measured 1.5-2x slower (multiply, subtract). Costs one image of writes."""
+    if xp is not numpy or axis != 1 or x.ndim <= 2 or x[0, 0].size <= 1:
+        return v
+    return numpy.ascontiguousarray(numpy.broadcast_to(v, (1,) + x.shape[1:]))
+
+
+def _affine(xp, a, k, c, out=None, axis=1):
     """``a * k + c`` with per-channel k and c, into a new array (or out), in blocks of the batch
     axis on the intra-op threads."""
     out = xp.empty_like(a) if out is None else out
+    k, c = _per_channel(xp, k, a, axis), _per_channel(xp, c, a, axis)
 
     def block(i, j):
         xp.multiply(a[i:j], k, out=out[i:j])
@@ -149,7 +160,8 @@ class BatchNorm(Primitive):
         # NOTE: the centred x is saved instead of xhat = xc * inv_std: backward folds inv_std into
         # its per-channel factors, which saves a full pass here at no cost there.
         xc = xp.empty_like(x)
-        intra_op.map_rows(xp, x, lambda i, j: xp.subtract(x[i:j], batch_mean, out=xc[i:j]))
+        mean_row = _per_channel(xp, batch_mean, x, axis)
+        intra_op.map_rows(xp, x, lambda i, j: xp.subtract(x[i:j], mean_row, out=xc[i:j]))
         # Two-pass variance (mean of centred squares): E[x^2] - E[x]^2 cancels badly in float32.
         batch_var = _channel_sum(xp, axis, xc, xc).reshape(self.kept)
         batch_var *= inv_count
@@ -162,7 +174,7 @@ class BatchNorm(Primitive):
         xp = get_array_module(xc)
         self.inv_std = 1.0 / xp.sqrt(batch_var + self.epsilon)
         self.xc = xc
-        y = _affine(xp, xc, self.scale * self.inv_std, bias)
+        y = _affine(xp, xc, self.scale * self.inv_std, bias, axis=self.axis)
         self._update_running(mean, variance, batch_mean, batch_var, count)
         return y
 
@@ -211,11 +223,14 @@ class BatchNorm(Primitive):
         k = self.scale * inv_std
         # gx = gy * k - xc * (k * gscale * inv_std / M) - k * gbias / M, per block of the batch
         buf = xp.empty_like(gy)
+        a = _per_channel(xp, gscale * inv_std * inv_m, gy, self.axis)
+        c = _per_channel(xp, gbias * inv_m, gy, self.axis)
+        k = _per_channel(xp, k, gy, self.axis)
 
         def block(i, j):
             b = buf[i:j]
-            xp.multiply(self.xc[i:j], gscale * inv_std * inv_m, out=b)
-            b += gbias * inv_m
+            xp.multiply(self.xc[i:j], a, out=b)
+            b += c
             xp.subtract(gy[i:j], b, out=b)
             b *= k
         intra_op.map_rows(xp, gy, block)

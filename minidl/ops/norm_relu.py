@@ -9,10 +9,9 @@ read once from memory and then worked on while it sits in the core's cache
 backward reads its inputs twice and writes the gradients. Nothing the size of x is kept but
 x itself (the convolution's output, alive anyway) and y (the next layer's input).
 
-Numerics. The batch variance is not taken as E[x^2] - E[x]^2, which cancels in float32:
-each block's mean and centred sum of squares are exact two-pass values on the cached block,
-and the blocks are merged with Chan et al.'s pairwise update. The backward sum of
-``g * (x - mean)`` is formed on the cached block, centred, for the same reason.
+Numerics. The batch variance is not taken as E[x^2] - E[x]^2, which cancels in float32: it
+is the two-pass formula, the mean first, then the squares of x - mean, centred one cached
+block at a time. The backward sum of ``g * (x - mean)`` is centred the same way.
 
 The op computes what BatchNorm followed by Add and ReLU compute (tests/minidl/ops/
 test_norm_relu.py checks both, and finite differences). At a kink (``bn(x) + residual == 0``)
@@ -22,7 +21,7 @@ import numpy
 
 from .. import _intra_op as intra_op
 from ..backend import get_array_module
-from .norm import BatchNorm
+from .norm import BatchNorm, _channel_sum, _per_channel
 
 _BLOCK_BYTES = 256 << 10  # a block of images per step: it and its scratch stay in a core's L2
 
@@ -72,12 +71,13 @@ class BatchNormReLU(BatchNorm):
             batch_var = variance.astype(dtype, copy=False).reshape(self.kept)
         self.inv_std = 1.0 / xp.sqrt(batch_var + self.epsilon)
         self.k = scale * self.inv_std
-        shift = bias.astype(dtype, copy=False).reshape(self.kept) - self.mu * self.k
+        shift = _per_channel(xp, bias.astype(dtype, copy=False).reshape(self.kept) - self.mu * self.k, x)
+        k_row = _per_channel(xp, self.k, x)
         y = xp.empty_like(x)
 
         def block(i, j, scratch):
             out = y[i:j]
-            xp.multiply(x[i:j], self.k, out=out)
+            xp.multiply(x[i:j], k_row, out=out)
             out += shift
             if residual is not None:
                 out += residual[i:j]
@@ -90,7 +90,8 @@ class BatchNormReLU(BatchNorm):
         xp = get_array_module(gy)
         need_x, need_scale, need_bias = self.needs_grad[:3]
         need_res = len(self.needs_grad) > 5 and self.needs_grad[5]
-        x, y, mu, k, inv_std = self.x, self.y, self.mu, self.k, self.inv_std
+        x, y, k, inv_std = self.x, self.y, self.k, self.inv_std
+        mu_row = _per_channel(xp, self.mu, x)
         # g = gy where the output is positive: the gradient below the ReLU, and the residual's.
         g = xp.empty_like(gy)
 
@@ -98,7 +99,7 @@ class BatchNormReLU(BatchNorm):
             gb = g[i:j]
             xp.multiply(gy[i:j], y[i:j] > 0, out=gb)
             xc = scratch[:j - i]
-            xp.subtract(x[i:j], mu, out=xc)
+            xp.subtract(x[i:j], mu_row, out=xc)
             return _channel_sums(xp, gb), _channel_sums(xp, gb, xc)
         parts = _blocks(xp, x, sums)
         gbias, gxc = parts[0]  # sum(g) and sum(g * (x - mean)) per channel
@@ -107,19 +108,21 @@ class BatchNormReLU(BatchNorm):
         gscale = gxc * inv_std.reshape(-1)
         gx = None
         if need_x:
+            k_row = _per_channel(xp, k, x)
             if not self.is_training:
-                gx = g * k if need_res else _scale_in_place(xp, g, k)
+                gx = g * k_row if need_res else _scale_in_place(xp, g, k_row)
             else:
                 # gx = k * (g - mean(g) - xhat * mean(g * xhat)), xhat = (x - mean) * inv_std
                 inv_m = 1.0 / self.count
                 a = (k * gxc.reshape(self.kept) * inv_std * inv_std * inv_m).astype(gy.dtype, copy=False)
-                c = (mu * a - k * gbias.reshape(self.kept) * inv_m).astype(gy.dtype, copy=False)
+                c = (self.mu * a - k * gbias.reshape(self.kept) * inv_m).astype(gy.dtype, copy=False)
+                a, c = _per_channel(xp, a, x), _per_channel(xp, c, x)
                 gx = g if not need_res else xp.empty_like(g)
 
                 def grad(i, j, scratch):
                     t = scratch[:j - i]
                     xp.multiply(x[i:j], a, out=t)
-                    xp.multiply(g[i:j], k, out=gx[i:j])
+                    xp.multiply(g[i:j], k_row, out=gx[i:j])
                     gx[i:j] -= t
                     gx[i:j] += c
                 _blocks(xp, x, grad)
@@ -187,25 +190,21 @@ def _blocks(xp, x, fn):
 
 
 def _batch_moments(xp, x, kept):
-    """(mean, biased variance) per channel, each (kept) shaped, from exact per-block moments
-    merged pairwise (Chan, Golub and LeVeque), in block order."""
-    per_image = x.size // max(x.shape[0], 1) // x.shape[1]
+    """(mean, biased variance) per channel, each (kept) shaped: the two-pass formula, the mean
+    first, then the centred squares block by block, the centred block only in cache."""
+    inv_count = 1.0 / (x.size // x.shape[1])
+    mean = _channel_sum(xp, 1, x).reshape(kept) * inv_count
+    mean_row = _per_channel(xp, mean, x)
 
-    def moments(i, j, scratch):
-        count = (j - i) * per_image
-        mean = _channel_sums(xp, x[i:j]) / count
+    def centred_squares(i, j, scratch):
         xc = scratch[:j - i]
-        xp.subtract(x[i:j], mean.reshape(kept), out=xc)
-        return count, mean, _channel_sums(xp, xc, xc)
-    parts = _blocks(xp, x, moments)
-    count, mean, m2 = parts[0]
-    for nb, mb, m2b in parts[1:]:
-        total = count + nb
-        delta = mb - mean
-        mean = mean + delta * (nb / total)
-        m2 = m2 + m2b + delta * delta * (count * nb / total)
-        count = total
-    return mean.reshape(kept).astype(x.dtype, copy=False), (m2 / count).reshape(kept).astype(x.dtype, copy=False)
+        xp.subtract(x[i:j], mean_row, out=xc)
+        return _channel_sums(xp, xc, xc)
+    parts = _blocks(xp, x, centred_squares)
+    m2 = parts[0]
+    for p in parts[1:]:
+        m2 = m2 + p
+    return mean.astype(x.dtype, copy=False), (m2.reshape(kept) * inv_count).astype(x.dtype, copy=False)
 
 
 def batch_norm_relu(x, running_mean, running_var, weight, bias, residual=None, training=False, momentum=0.1,

@@ -120,7 +120,7 @@ def test_float32_statistics_of_a_large_offset():
     x = (1000.0 + rng.standard_normal((32, 4, 8, 8))).astype(np.float32)
     ones, zeros = np.ones(4, np.float32), np.zeros(4, np.float32)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(norm_relu, "_BLOCK_BYTES", 2048)  # many blocks to merge
+        mp.setattr(norm_relu, "_BLOCK_BYTES", 2048)  # many blocks, each centred on its own
         mean, var = zeros.copy(), ones.copy()
         y = ops.BatchNormReLU(True, 1e-5, 1.0)(Tensor(x), ones, zeros, mean, var).asnumpy()
     x64 = x.astype(np.float64)

@@ -8,9 +8,9 @@ import numpy
 from .. import _intra_op as intra_op
 
 _PAD_MODES = ("valid", "same", "pad")
-# Column bytes of the chunks that all intra-op threads work on at once (see _Windows.chunking):
-# with 2 threads, 2 MB chunks each ran the ResNet-20 step ~6% faster than 4 MB each
-# (benchmarks/bench_step_ab.py), which overfill the 8 MB last-level cache the cores share.
+# Column bytes of the chunks that all intra-op threads work on at once (see _Windows.chunking).
+# 4 MB per thread overfills an 8 MB last-level cache shared by 2 cores; 2 MB each ran the
+# ResNet-20 step 1.01-1.09x faster over five paired runs (benchmarks/bench_step_ab.py, README).
 _CACHE_BYTES = 4 << 20
 
 

@@ -1,13 +1,15 @@
 """BatchNormReLU: ``relu(batch_norm(x) + residual)`` in one op, for the BN-ReLU pairs of ResNets.
 
-Why fuse. On a CPU whose cores share a few GB/s of memory bandwidth, BatchNorm, the residual
-Add and ReLU are memory passes, not arithmetic: separately they read and write the
-activation about eight times forward (batch sums, the centred copy, its squares, the
-affine output, the add, the max) and seven times backward. Fused, each block of images is
-read once from memory and then worked on while it sits in the core's cache
-(``_BLOCK_BYTES``): forward reads x twice (statistics, then output) and writes y once,
-backward reads its inputs twice and writes the gradients. Nothing the size of x is kept but
-x itself (the convolution's output, alive anyway) and y (the next layer's input).
+Why fuse. On the CPU these are elementwise NumPy passes, each a full read and write of the
+activation. Separately, BatchNorm, the residual Add and ReLU make a centred copy, the
+BatchNorm output and the Add output, and keep two of them for backward. Fused, nothing the
+size of x is kept but x itself (the convolution's output, alive anyway) and y (the next
+layer's input), and the passes go over blocks of images small enough to stay in a core's
+cache (``_BLOCK_BYTES``) between one pass and the next. Forward reads x three times (the
+mean, the centred squares, the output) and writes y once. The whole ResNet-20 step gained
+little on the 2-core machine of 2026-11-23 (README, Performance): there, NumPy's passes over
+cached data were not much faster than over memory, so the number of passes counts more than
+where their data comes from.
 
 Numerics. The batch variance is not taken as E[x^2] - E[x]^2, which cancels in float32: it
 is the two-pass formula, the mean first, then the squares of x - mean, centred one cached
@@ -21,6 +23,7 @@ import numpy
 
 from .. import _intra_op as intra_op
 from ..backend import get_array_module
+from .math import _relu
 from .norm import BatchNorm, _channel_sum, _per_channel
 
 _BLOCK_BYTES = 256 << 10  # a block of images per step: it and its scratch stay in a core's L2
@@ -81,7 +84,7 @@ class BatchNormReLU(BatchNorm):
             out += shift
             if residual is not None:
                 out += residual[i:j]
-            _relu_in_place(xp, out)
+            _relu(xp, out, out=out)
         _blocks(xp, x, block)
         self.x, self.y = x, y
         return y
@@ -100,7 +103,7 @@ class BatchNormReLU(BatchNorm):
             xp.multiply(gy[i:j], y[i:j] > 0, out=gb)
             xc = scratch[:j - i]
             xp.subtract(x[i:j], mu_row, out=xc)
-            return _channel_sums(xp, gb), _channel_sums(xp, gb, xc)
+            return _channel_sum(xp, 1, gb), _channel_sum(xp, 1, gb, xc)
         parts = _blocks(xp, x, sums)
         gbias, gxc = parts[0]  # sum(g) and sum(g * (x - mean)) per channel
         for pb, pc in parts[1:]:
@@ -110,7 +113,7 @@ class BatchNormReLU(BatchNorm):
         if need_x:
             k_row = _per_channel(xp, k, x)
             if not self.is_training:
-                gx = g * k_row if need_res else _scale_in_place(xp, g, k_row)
+                gx = xp.multiply(g, k_row, out=None if need_res else g)
             else:
                 # gx = k * (g - mean(g) - xhat * mean(g * xhat)), xhat = (x - mean) * inv_std
                 inv_m = 1.0 / self.count
@@ -133,35 +136,6 @@ class BatchNormReLU(BatchNorm):
         if len(self.needs_grad) > 5:
             grads += (g if need_res else None,)
         return grads
-
-
-def _channel_sums(xp, a, b=None):
-    """Per-channel sum over every axis but 1 of a, or of a * b (not written out): (C,)."""
-    letters = "abcdefghijklmnopqrstuvwxyz"[:a.ndim]
-    ins = letters if b is None else f"{letters},{letters}"
-    return xp.einsum(f"{ins}->b", a, *(() if b is None else (b,)))
-
-
-_zero_rows = {}
-
-
-def _relu_in_place(xp, a):
-    """a = max(a, 0). On NumPy against a row of zeros, not the scalar 0: the scalar operand misses
-    NumPy's SIMD loop (see ops/math.py's _relu)."""
-    if xp is not numpy:
-        xp.maximum(a, 0, out=a)
-        return
-    rows = a.reshape(a.shape[0], -1)
-    key = (rows.shape[1], a.dtype)
-    zeros = _zero_rows.get(key)
-    if zeros is None:
-        zeros = _zero_rows[key] = numpy.zeros(rows.shape[1], dtype=a.dtype)
-    xp.maximum(rows, zeros, out=rows)
-
-
-def _scale_in_place(xp, a, k):
-    a *= k
-    return a
 
 
 def _blocks(xp, x, fn):
@@ -199,7 +173,7 @@ def _batch_moments(xp, x, kept):
     def centred_squares(i, j, scratch):
         xc = scratch[:j - i]
         xp.subtract(x[i:j], mean_row, out=xc)
-        return _channel_sums(xp, xc, xc)
+        return _channel_sum(xp, 1, xc, xc)
     parts = _blocks(xp, x, centred_squares)
     m2 = parts[0]
     for p in parts[1:]:

@@ -53,8 +53,8 @@ class _BatchNorm(Cell):
     def with_relu(self, x, residual=None):
         """``relu(self(x) + residual)`` (residual optional), fused into one op (ops.BatchNormReLU).
 
-        The ResNet blocks call it: the fused op reads and writes the activation about a third as
-        often as BatchNorm, Add and ReLU one after another. Subclasses with their own BatchNorm
+        The ResNet blocks call it: the fused op keeps no intermediate activation and makes fewer
+        passes over it than BatchNorm, Add and ReLU one after another. Subclasses with their own BatchNorm
         op (SyncBatchNorm) and tensor-parallel runs (an installed call hook, which has rules for
         the separate ops) get the separate ops, with the same result.
 

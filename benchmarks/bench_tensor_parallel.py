@@ -197,7 +197,7 @@ def count_rank(model, n, batch, d, h):
 
 
 def part1(args):
-    from minidl_parallel.comm.threads import run_threads
+    from minidl_parallel import run_threads
     ok = True
     n = 8
     cases = [("quickstart", n, 16, 0, 0, quickstart_minimum(16, n // 4, 4)),

@@ -9,6 +9,7 @@ from .backend import set_context, get_context, set_seed, get_seed
 from .tensor import (Tensor, Parameter, no_grad, is_grad_enabled,
                      float16, float32, float64, int8, int32, int64, uint8, bool_)
 from .autograd import value_and_grad, grad
+from . import runtime
 from . import ops
 from . import common
 from . import nn

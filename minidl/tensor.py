@@ -2,7 +2,11 @@
 
 A Tensor holds ``data`` (a numpy or cupy ndarray), ``requires_grad`` and, when an op that
 was being recorded produced it, ``_node``: the op instance that knows its inputs and how
-to send a gradient back to them (see minidl/ops/primitive.py). Python operators
+to send a gradient back to them (see minidl/ops/primitive.py). Under tensor parallelism
+``_placement`` says that ``data`` is one rank's block of a larger tensor: the parallel
+package sets it to an object with the global ``shape`` (and a readable ``str``); the core
+reads only that shape, so ``x.shape`` means the same on one device and on many, as in
+PyTorch's DTensor. Python operators
 (``+``, ``@``, ``.sum()`` ...) are attached by minidl/ops/tensor_methods.py, so that this
 file stays free of op code.
 """
@@ -23,29 +27,11 @@ uint8 = numpy.uint8
 bool_ = numpy.bool_
 
 _grad_mode = threading.local()
-_shape_hook = {"current": None}
-
-
-def set_shape_hook(hook):
-    """Installs ``hook(tensor) -> shape or None``: the logical shape of a tensor that holds a block.
-
-    Under tensor parallelism a Tensor's array is its rank's block of a larger logical tensor;
-    ``shape`` (and ``size``) then report the logical shape, as PyTorch's DTensor does, so that
-    ``construct`` code (``reshape(x, (x.shape[0], -1))``) means the same on one device and on
-    many. ``tensor.data.shape`` stays the block's shape. The core never sets the hook.
-    """
-    if hook is not None and not callable(hook):
-        raise TypeError(f"set_shape_hook: hook must be callable or None, got {type(hook).__name__}")
-    _shape_hook["current"] = hook
 
 
 def _logical_shape(tensor):
-    hook = _shape_hook["current"]
-    if hook is not None:
-        shape = hook(tensor)
-        if shape is not None:
-            return shape
-    return tuple(tensor.data.shape)
+    placement = tensor._placement
+    return tuple(tensor.data.shape) if placement is None else placement.shape
 
 
 def is_grad_enabled():
@@ -113,7 +99,7 @@ class Tensor:
         Tensor([[2., 4.], [6., 8.]], dtype=float32)
     """
 
-    __slots__ = ("data", "grad", "requires_grad", "_node", "__weakref__")
+    __slots__ = ("data", "grad", "requires_grad", "_node", "_placement", "__weakref__")
     __array_priority__ = 1000  # numpy scalars and arrays defer to our operators
 
     def __init__(self, data, dtype=None, requires_grad=False):
@@ -123,6 +109,7 @@ class Tensor:
         self.grad = None
         self.requires_grad = bool(requires_grad)
         self._node = None
+        self._placement = None
 
     @classmethod
     def _wrap(cls, array, node=None):
@@ -132,9 +119,13 @@ class Tensor:
         t.grad = None
         t.requires_grad = node is not None
         t._node = node
+        t._placement = None
         return t
 
-    shape = property(_logical_shape, doc="The shape, as a tuple (the logical shape under tensor parallelism).")
+    shape = property(_logical_shape, doc="The shape, as a tuple: the global shape of a sharded tensor "
+                                         "(``data.shape`` is then this rank's block).")
+    is_sharded = property(lambda self: self._placement is not None,
+                          doc="True when ``data`` is one rank's block of a larger tensor (tensor parallelism).")
     dtype = property(lambda self: self.data.dtype, doc="The numpy dtype.")
     ndim = property(lambda self: self.data.ndim, doc="Number of dimensions.")
     size = property(lambda self: math.prod(self.shape), doc="Number of elements.")
@@ -153,8 +144,10 @@ class Tensor:
         return self.data.reshape(()).item()
 
     def detach(self):
-        """The same data, cut from the graph."""
-        return Tensor._wrap(self.data)
+        """The same data (and placement), cut from the graph."""
+        t = Tensor._wrap(self.data)
+        t._placement = self._placement
+        return t
 
     def astype(self, dtype):
         """A copy converted to dtype (differentiable, as ops.Cast)."""

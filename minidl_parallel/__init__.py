@@ -1,7 +1,8 @@
 """minidl_parallel: distributed training for minidl (communicators, data parallel, tensor parallel).
 
-minidl never imports this package; it plugs in through minidl's registries when ``init()``
-runs. Before ``init()`` (or without mpirun) the world is one process: ``get_rank()`` is 0
+minidl never imports this package; ``init()`` plugs it in by installing a parallel runtime
+(minidl_parallel/runtime.py), the one object minidl asks at the moment of use, and
+``release()`` removes it. Before ``init()`` (or without mpirun) the world is one process: ``get_rank()`` is 0
 and ``get_group_size()`` 1, so scripts written for parallel runs work unchanged.
 
 Example:
@@ -10,9 +11,10 @@ Example:
     >>> mp.get_rank(), mp.get_group_size()
     (0, 1)
 """
-from .context import (init, release, get_rank, get_group_size, get_local_rank, get_local_rank_size,
+from .context import (get_rank, get_group_size, get_local_rank, get_local_rank_size,
                       get_communicator, is_initialized, ParallelMode, set_auto_parallel_context,
                       get_auto_parallel_context, reset_auto_parallel_context, launched_under_mpi)
+from .world import init, release, run_threads
 from .grad_reducer import DistributedGradReducer
 from .collectives import AllReduce, AllGather, ReduceScatter, Broadcast
 from .sync_batchnorm import SyncBatchNorm
@@ -20,7 +22,7 @@ from .tensor_parallel import (Layout, CommCounter, explain, StrategyError, NoRul
                               get_layout)
 from . import ops, nn
 
-__all__ = ["init", "release", "get_rank", "get_group_size", "get_local_rank", "get_local_rank_size",
+__all__ = ["init", "release", "run_threads", "get_rank", "get_group_size", "get_local_rank", "get_local_rank_size",
            "get_communicator", "is_initialized", "ParallelMode", "set_auto_parallel_context",
            "get_auto_parallel_context", "reset_auto_parallel_context", "launched_under_mpi", "DistributedGradReducer",
            "AllReduce", "AllGather", "ReduceScatter", "Broadcast", "SyncBatchNorm", "Layout", "CommCounter", "explain",

@@ -18,7 +18,7 @@ import os
 import numpy
 
 from .. import backend
-from ..common.sharded_state import get_sharded_state_adapter
+from ..runtime import get_runtime
 from ..tensor import Parameter, Tensor
 from . import safetensors
 
@@ -58,8 +58,16 @@ def _named_values(save_obj):
                     f"Parameters, a list of {{'name', 'data'}} dicts or a dict, got {type(save_obj).__name__}")
 
 
-def save_checkpoint(save_obj, ckpt_file_name, append_dict=None, choice_func=None):
+def save_checkpoint(save_obj, ckpt_file_name, append_dict=None, choice_func=None, integrated_save=None):
     """Saves parameters to a safetensors file, atomically.
+
+    Under tensor parallelism a parameter may hold only this rank's block of a larger tensor.
+    Saving it whole gathers the blocks, a collective that every rank must join; minidl never
+    does that behind the caller's back, so such a save must say how (MindSpore's argument):
+    ``integrated_save=True`` on every rank (the file holds whole tensors and loads into any
+    strategy or world size), or ``False`` (this rank's blocks only, no communication; it
+    loads into the same strategy on the same rank). Without sharded parameters the argument
+    changes nothing.
 
     Args:
         save_obj: a Cell (or anything with ``parameters_and_names()``, e.g. an Optimizer), a
@@ -70,8 +78,12 @@ def save_checkpoint(save_obj, ckpt_file_name, append_dict=None, choice_func=None
             metadata, as strings (read them with ``load_checkpoint_metadata``); Tensor and
             array values are saved as tensors (returned by ``load_checkpoint``).
         choice_func: optional ``f(name) -> bool``; only names it accepts are saved.
+        integrated_save: None, True or False: how sharded parameters are saved (see above);
+            None refuses to save them.
     """
     who = "save_checkpoint"
+    if integrated_save not in (None, True, False):
+        raise ValueError(f"{who}: integrated_save must be None, True or False, got {integrated_save!r}")
     if not isinstance(ckpt_file_name, (str, os.PathLike)):
         raise TypeError(f"{who}: ckpt_file_name must be a str or path, got {type(ckpt_file_name).__name__}")
     tensors, metadata = {}, {}
@@ -83,16 +95,21 @@ def save_checkpoint(save_obj, ckpt_file_name, append_dict=None, choice_func=None
             raise ValueError(f"{who}: the name {name!r} appears twice")
         tensors[name] = _to_numpy(who, name, value)
 
-    adapter = get_sharded_state_adapter()
-    for name, value in _named_values(save_obj):
-        if choice_func is None or choice_func(name):
-            if adapter is not None and isinstance(value, Parameter):
-                # Tensor parallelism: a block becomes the full tensor (collective on every rank).
-                layout = adapter.describe(value)
-                if layout is not None:
-                    metadata[f"layout.{name}"] = layout
-                value = adapter.to_full(value)
-            add(name, value)
+    chosen = [(name, value) for name, value in _named_values(save_obj) if choice_func is None or choice_func(name)]
+    sharded = [name for name, value in chosen if isinstance(value, Tensor) and value.is_sharded]
+    if sharded and integrated_save is None:
+        shown = ", ".join(repr(n) for n in sharded[:3]) + (", ..." if len(sharded) > 3 else "")
+        raise ValueError(f"{who}: {len(sharded)} parameter(s) ({shown}) hold this rank's block of a sharded tensor; "
+                         f"pass integrated_save=True on every rank to gather and save whole tensors (a collective), "
+                         f"or integrated_save=False to save this rank's blocks")
+    for name, value in chosen:
+        if isinstance(value, Tensor) and value.is_sharded:
+            metadata[f"layout.{name}"] = str(value._placement)
+            if integrated_save:
+                value = get_runtime().full_value(value)  # a collective: every rank saves together
+            else:
+                metadata[f"block.{name}"] = str(tuple(value.data.shape))
+        add(name, value)
     if append_dict is not None:
         if not isinstance(append_dict, dict):
             raise TypeError(f"{who}: append_dict must be a dict, got {type(append_dict).__name__}")
@@ -189,7 +206,6 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
     if not isinstance(parameter_dict, dict):
         raise TypeError(f"{who}: parameter_dict must be a dict, got {type(parameter_dict).__name__}")
     missing, mismatched, pairs, used = [], [], [], set()
-    adapter = get_sharded_state_adapter()
     for name, param in net.parameters_and_names():
         if name not in parameter_dict:
             missing.append(name)
@@ -197,8 +213,8 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
         value = parameter_dict[name]
         if not isinstance(value, Tensor) and not hasattr(value, "shape"):
             value = numpy.asarray(value)
-        if adapter is not None:
-            value = adapter.to_local(param, value)  # a full tensor becomes this rank's block
+        if param.is_sharded and tuple(value.shape) == tuple(param.shape):
+            value = get_runtime().local_value(param, value)  # a whole tensor becomes this rank's block
         local = tuple(param.data.shape)
         if tuple(value.shape) != local:
             shown = f"{tuple(param.shape)} (block {local})" if tuple(param.shape) != local else f"{local}"

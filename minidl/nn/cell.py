@@ -22,26 +22,8 @@ Cells start in inference mode (``training`` is False), as in MindSpore: call
 """
 from collections import OrderedDict
 
+from ..runtime import LOCAL, get_runtime
 from ..tensor import Parameter
-
-_call_hook = {"current": None}
-
-
-def set_cell_call_hook(hook):
-    """Installs ``hook(cell, args, kwargs) -> output`` around every Cell call (None removes it).
-
-    The hook runs ``cell.construct(*args, **kwargs)`` itself. It is the seam through which a
-    parallel package sees where a network starts and ends (its inputs and outputs) and which
-    Cell an operator belongs to; the core never sets it.
-    """
-    if hook is not None and not callable(hook):
-        raise TypeError(f"set_cell_call_hook: hook must be callable or None, got {type(hook).__name__}")
-    _call_hook["current"] = hook
-
-
-def get_cell_call_hook():
-    return _call_hook["current"]
-
 
 class _AutoName(str):
     """A parameter name the Cell tree derived from attribute paths (so it may be re-prefixed)."""
@@ -90,10 +72,10 @@ class Cell:
                                   f"define construct(self, ...) to be called")
 
     def __call__(self, *args, **kwargs):
-        hook = _call_hook["current"]
-        if hook is not None:
-            return hook(self, args, kwargs)
-        return self.construct(*args, **kwargs)
+        runtime = get_runtime()  # a parallel runtime sees where a network starts and ends
+        if runtime is LOCAL:
+            return self.construct(*args, **kwargs)
+        return runtime.call_cell(self, args, kwargs)
 
     # -- registration -------------------------------------------------------------------
 

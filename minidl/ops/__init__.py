@@ -3,7 +3,7 @@
 
 One module per family; each op's forward and backward sit side by side in its class.
 """
-from .primitive import Primitive, set_call_hook, get_call_hook
+from .primitive import Primitive
 from .math import *  # noqa: F401,F403
 from .linalg import *  # noqa: F401,F403
 from .reduce import *  # noqa: F401,F403

@@ -12,27 +12,13 @@ for the others can be skipped. ``xp = get_array_module(...)`` picks numpy or cup
 serves both.
 
 ``shard(in_strategy, out_strategy)`` only stores the strategy here; minidl_parallel reads
-it. That package plugs in through ``set_call_hook``, the single hook of the core.
+it. A call asks the active runtime (minidl/runtime.py) to run the op: the local runtime
+calls ``apply``; a parallel one may redistribute the inputs first.
 """
 import numpy
 
+from ..runtime import LOCAL, get_runtime
 from ..tensor import Tensor, is_grad_enabled
-
-_call_hook = None
-
-
-def set_call_hook(hook):
-    """Installs ``hook(primitive, args) -> Tensor`` around every primitive call (None removes it).
-
-    This is the one seam through which a parallel package can see operators; the core never
-    sets it. The hook calls ``primitive.apply(*args)`` to run the op locally.
-    """
-    global _call_hook
-    _call_hook = hook
-
-
-def get_call_hook():
-    return _call_hook
 
 
 class Primitive:
@@ -64,9 +50,10 @@ class Primitive:
         return self
 
     def __call__(self, *args):
-        if _call_hook is not None:
-            return _call_hook(self, args)
-        return self.apply(*args)
+        runtime = get_runtime()
+        if runtime is LOCAL:
+            return self.apply(*args)
+        return runtime.call_op(self, args)
 
     def apply(self, *args):
         """Runs the op on this process's arrays and records it when a gradient is needed."""

@@ -21,7 +21,7 @@ import numbers
 import numpy
 
 from .. import backend
-from ..common.sharded_state import get_sharded_state_adapter
+from ..runtime import get_runtime
 from ..tensor import Parameter, Tensor
 from .lr_schedule import LearningRateSchedule
 
@@ -308,8 +308,7 @@ class Optimizer:
         return arrays
 
     def _apply(self, grads):
-        if get_sharded_state_adapter() is not None:
-            self._follow_parameter_layouts()
+        self._follow_parameter_layouts()
         grads = self._check_grads(grads)  # all checked before any parameter changes
         step = self.global_step
         lrs = [_lr_at(g["lr"], step) for g in self.param_groups]
@@ -329,11 +328,10 @@ class Optimizer:
         Under tensor parallelism a parameter becomes its rank's block at its first sharded
         use, after the optimizer was built; its state must become the same block.
         """
-        adapter = get_sharded_state_adapter()
         for name, buf in self._buffers.items():
             i = self._buffer_owner.get(name)
             if i is not None and tuple(buf.data.shape) != tuple(self.parameters[i].data.shape):
-                buf.data = adapter.follow(self.parameters[i], buf)
+                buf.data = get_runtime().follow(self.parameters[i], buf)
 
     def _effective_grad(self, w, g, wd, inv_scale):
         """g / loss_scale + wd * w, in work buffer 0 (g itself when there is nothing to add)."""

@@ -10,10 +10,10 @@ from .callbacks import Callback, RunContext, CallbackParam, CallbackList, LossMo
 from .checkpoint import CheckpointConfig, ModelCheckpoint, latest_checkpoint, save_train_state, restore_train_state
 from .metrics import (Metric, Accuracy, Loss, TopKCategoricalAccuracy, Top1CategoricalAccuracy,
                       Top5CategoricalAccuracy, get_metric_fn, get_metrics)
-from .model import Model, set_default_grad_reducer, get_default_grad_reducer
+from .model import Model
 from .progress import ProgressBar, MetricsLogger
 
-__all__ = ["Model", "set_default_grad_reducer", "get_default_grad_reducer",
+__all__ = ["Model",
            "Callback", "RunContext", "CallbackParam", "CallbackList", "LossMonitor", "TimeMonitor",
            "CheckpointConfig", "ModelCheckpoint", "latest_checkpoint", "save_train_state", "restore_train_state",
            "Metric", "Accuracy", "Loss", "TopKCategoricalAccuracy", "Top1CategoricalAccuracy",

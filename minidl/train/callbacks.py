@@ -25,32 +25,10 @@ import time
 
 import numpy
 
+from ..runtime import get_runtime
 from ..tensor import Tensor
 
-__all__ = ["Callback", "RunContext", "CallbackParam", "CallbackList", "LossMonitor", "TimeMonitor", "loss_value",
-           "set_rank_provider", "get_rank_provider"]
-
-_rank_provider = {"fn": None}
-
-
-def set_rank_provider(fn):
-    """Registers how callbacks learn this process's data-parallel rank (``LossMonitor(rank0_only=True)``).
-
-    ``minidl_parallel.init`` registers its ``get_rank``; minidl itself never imports it, so
-    without a registration every process counts as rank 0.
-
-    Args:
-        fn: a zero-argument callable returning the rank (an int), or None to unregister.
-    """
-    if fn is not None and not callable(fn):
-        raise TypeError(f"set_rank_provider: fn must be a zero-argument callable or None, got {type(fn).__name__}")
-    _rank_provider["fn"] = fn
-
-
-def get_rank_provider():
-    """The function registered by :func:`set_rank_provider`; by default one returning 0."""
-    return _rank_provider["fn"] or (lambda: 0)
-
+__all__ = ["Callback", "RunContext", "CallbackParam", "CallbackList", "LossMonitor", "TimeMonitor", "loss_value"]
 
 class Callback:
     """Base class of callbacks: override the hooks you need (all default to doing nothing).
@@ -234,8 +212,8 @@ class LossMonitor(Callback):
     the epoch), and the evaluation metrics at an epoch's end when ``Model.fit`` computed them.
 
     In data-parallel training every rank prints its own (local) loss, unprefixed, as in
-    MindSpore; ``rank0_only=True`` keeps only rank 0's lines (the rank comes from the
-    provider that ``minidl_parallel.init`` registers with :func:`set_rank_provider`). The
+    MindSpore; ``rank0_only=True`` keeps only rank 0's lines (the rank is the active
+    runtime's, asked at each print: see minidl/runtime.py). The
     NaN/inf check runs on every rank either way.
 
     Args:
@@ -284,7 +262,7 @@ class LossMonitor(Callback):
 
 
     def _prints(self):
-        return not self.rank0_only or get_rank_provider()() == 0
+        return not self.rank0_only or get_runtime().rank() == 0
 
 
 class TimeMonitor(Callback):

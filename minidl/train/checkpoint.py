@@ -25,6 +25,7 @@ import time
 
 from .. import backend
 from ..io.checkpoint import save_checkpoint, load_checkpoint, load_param_into_net, load_checkpoint_metadata
+from ..runtime import get_runtime
 from .callbacks import Callback
 
 __all__ = ["CheckpointConfig", "ModelCheckpoint", "latest_checkpoint", "save_train_state", "restore_train_state",
@@ -48,7 +49,8 @@ def _state_tensors(who, network, optimizer):
     return tensors
 
 
-def save_train_state(path, network, optimizer, epoch_num, step_num, step_in_epoch, batch_num, append_dict=None):
+def save_train_state(path, network, optimizer, epoch_num, step_num, step_in_epoch, batch_num, append_dict=None,
+                     integrated_save=None):
     """Saves a checkpoint that ``Model.train(resume_from=path)`` can continue from.
 
     Args:
@@ -58,13 +60,15 @@ def save_train_state(path, network, optimizer, epoch_num, step_num, step_in_epoc
         epoch_num, step_num, step_in_epoch: the position after the last step done (1-based).
         batch_num: steps per epoch.
         append_dict: extra metadata (str/number/bool) or tensors to store.
+        integrated_save: how parameters sharded by tensor parallelism are saved (see
+            ``save_checkpoint``; True gathers them, a collective every rank must join).
     """
     who = "save_train_state"
     meta = dict(append_dict or {})
     meta.update(epoch_num=int(epoch_num), step_num=int(step_num), step_in_epoch=int(step_in_epoch),
                 batch_num=int(batch_num), seed=str(backend.get_seed()),
                 rng_state=json.dumps(backend.rng().bit_generator.state))
-    save_checkpoint(_state_tensors(who, network, optimizer), path, append_dict=meta)
+    save_checkpoint(_state_tensors(who, network, optimizer), path, append_dict=meta, integrated_save=integrated_save)
 
 
 def restore_train_state(path, network, optimizer, who="Model.train"):
@@ -129,10 +133,17 @@ class CheckpointConfig:
             such files cannot be resumed from).
         append_info: a list of "epoch_num" / "step_num" (always saved here) and at most one
             dict of extra str -> int/float/bool/str metadata.
+        integrated_save: under tensor parallelism, save whole tensors gathered from every
+            rank's block (True, MindSpore's default; every rank saves together) or each rank's
+            blocks (False).
+
+    Under a parallel runtime every decision to save is the same on every rank: step counts
+    agree by construction, and a time-based decision (``save_checkpoint_seconds``) is rank
+    0's, shared with the others, so that ranks never disagree about a collective save.
     """
 
     def __init__(self, save_checkpoint_steps=1, save_checkpoint_seconds=0, keep_checkpoint_max=5,
-                 keep_checkpoint_per_n_minutes=0, saved_network=None, append_info=None):
+                 keep_checkpoint_per_n_minutes=0, saved_network=None, append_info=None, integrated_save=True):
         steps = _check_int("save_checkpoint_steps", save_checkpoint_steps)
         seconds = _check_int("save_checkpoint_seconds", save_checkpoint_seconds)
         keep_max = _check_int("keep_checkpoint_max", keep_checkpoint_max)
@@ -149,8 +160,11 @@ class CheckpointConfig:
         self.keep_checkpoint_per_n_minutes = None if keep_max else per_min
         if not keep_max and not per_min:
             self.keep_checkpoint_max = 1
+        if not isinstance(integrated_save, bool):
+            raise TypeError(f"CheckpointConfig: integrated_save must be True or False, got {integrated_save!r}")
         self.saved_network = saved_network
         self.append_dict = self._append_dict(append_info)
+        self.integrated_save = integrated_save
 
     @staticmethod
     def _append_dict(append_info):
@@ -186,7 +200,8 @@ class CheckpointConfig:
                 "save_checkpoint_seconds": self.save_checkpoint_seconds,
                 "keep_checkpoint_max": self.keep_checkpoint_max,
                 "keep_checkpoint_per_n_minutes": self.keep_checkpoint_per_n_minutes,
-                "saved_network": self.saved_network}
+                "saved_network": self.saved_network,
+                "integrated_save": self.integrated_save}
 
 
 def _pattern(prefix):
@@ -285,7 +300,8 @@ class ModelCheckpoint(Callback):
         if cfg.save_checkpoint_steps:
             return cb_params.cur_step_num >= self._last_triggered_step + cfg.save_checkpoint_steps
         if cfg.save_checkpoint_seconds:
-            return time.time() - self._last_time > cfg.save_checkpoint_seconds
+            # Clocks differ between ranks: rank 0 decides for all (a save may be a collective).
+            return bool(get_runtime().agree(time.time() - self._last_time > cfg.save_checkpoint_seconds))
         return False
 
     def _save(self, cb_params, force):
@@ -298,10 +314,11 @@ class ModelCheckpoint(Callback):
         cfg = self._config
         if cfg.saved_network is not None:
             meta = dict(cfg.append_dict, epoch_num=cb_params.cur_epoch_num, step_num=cb_params.cur_step_num)
-            save_checkpoint(cfg.saved_network, path, append_dict=meta)
+            save_checkpoint(cfg.saved_network, path, append_dict=meta, integrated_save=cfg.integrated_save)
         else:
             save_train_state(path, cb_params.train_network, cb_params.get("optimizer"), cb_params.cur_epoch_num,
-                             cb_params.cur_step_num, step_in_epoch, batch_num, append_dict=cfg.append_dict)
+                             cb_params.cur_step_num, step_in_epoch, batch_num, append_dict=cfg.append_dict,
+                             integrated_save=cfg.integrated_save)
         now = time.time()
         self._saved = [(p, t) for p, t in self._saved if p != path] + [(path, now)]
         self._latest_ckpt_file_name = path

@@ -5,12 +5,12 @@ Each training step computes the loss (and the logits) with ``value_and_grad`` ov
 applies ``optimizer(grads)``. With ``loss_fn`` None the network itself takes every column
 of the dataset and returns the loss.
 
-The grad reducer is the one seam where data-parallel training plugs in: a callable
-``grads -> grads`` (a tuple aligned with ``optimizer.parameters``) run between backward and
-the optimizer, e.g. an all-reduce over ranks. ``Model(grad_reducer=...)`` sets it;
-otherwise the factory registered with ``set_default_grad_reducer`` (which a parallel
-context's ``init()`` calls; minidl itself never does) makes it from the optimizer's
-parameters, and with neither the gradients pass unchanged.
+The grad reducer is where data-parallel training plugs in: a callable ``grads -> grads`` (a
+tuple aligned with ``optimizer.parameters``) run between backward and the optimizer, e.g. an
+all-reduce over ranks. ``Model(grad_reducer=...)`` sets it; otherwise the active runtime
+(minidl/runtime.py) is asked for one at the start of every ``train`` / ``fit``, so a
+parallel mode set after the Model was built takes effect; the local runtime gives none, and
+the gradients pass unchanged. ``model.grad_reducer`` is the reducer of the latest run.
 
 Two optional parts of a reducer's interface are used when present:
 - ``ready(index, grad)`` and ``finish()``: the step hands each gradient to ``ready`` the
@@ -35,32 +35,14 @@ Example:
 import numbers
 
 from ..autograd import value_and_grad
+from ..runtime import get_runtime
 from ..tensor import Tensor, no_grad
 from .callbacks import CallbackList, CallbackParam, RunContext
 from .checkpoint import restore_train_state
 from .metrics import Loss, get_metrics
 from .progress import MetricsLogger, ProgressBar, use_progress_bar
 
-__all__ = ["Model", "set_default_grad_reducer", "get_default_grad_reducer"]
-
-_default_grad_reducer = {"factory": None}
-
-
-def set_default_grad_reducer(factory):
-    """Registers how Models built from now on reduce gradients when not given a grad_reducer.
-
-    Args:
-        factory: ``factory(parameters) -> reducer`` with ``reducer(grads) -> grads``, or None
-            to go back to no reduction.
-    """
-    if factory is not None and not callable(factory):
-        raise TypeError(f"set_default_grad_reducer: factory must be callable or None, got {type(factory).__name__}")
-    _default_grad_reducer["factory"] = factory
-
-
-def get_default_grad_reducer():
-    """The factory registered with set_default_grad_reducer, or None."""
-    return _default_grad_reducer["factory"]
+__all__ = ["Model"]
 
 
 def _is_cell(x):
@@ -91,7 +73,8 @@ class Model:
             evaluation; called with every column of a row.
         eval_indexes: with eval_network, the positions of (loss, logits, label) in its
             outputs; None passes all its outputs to every metric's update.
-        grad_reducer: ``grads -> grads``, run before the optimizer (see the module doc).
+        grad_reducer: ``grads -> grads``, run before the optimizer (see the module doc);
+            None: the active runtime's, asked when training starts.
     """
 
     def __init__(self, network, loss_fn=None, optimizer=None, metrics=None, eval_network=None, eval_indexes=None,
@@ -116,8 +99,6 @@ class Model:
         if self._metric_fns and eval_network is None and loss_fn is None:
             raise ValueError("Model: metrics need either loss_fn (to evaluate network(data) against the label) or "
                              "eval_network; pass one, or no metrics")
-        if grad_reducer is None and optimizer is not None and get_default_grad_reducer() is not None:
-            grad_reducer = get_default_grad_reducer()(optimizer.parameters)
         if grad_reducer is not None and not callable(grad_reducer):
             raise TypeError(f"Model: grad_reducer must be callable (grads -> grads) or None, got "
                             f"{type(grad_reducer).__name__}")
@@ -127,7 +108,8 @@ class Model:
         self._eval_network = eval_network
         self._eval_indexes = list(eval_indexes) if eval_indexes is not None else (
             [0, 1, 2] if eval_network is None else None)
-        self.grad_reducer = grad_reducer
+        self._given_grad_reducer = grad_reducer
+        self.grad_reducer = grad_reducer  # the reducer of the latest run (resolved when training starts)
 
     # ---- what MindSpore's Model exposes ------------------------------------------------------
 
@@ -229,6 +211,16 @@ class Model:
             return loss.detach()
         return overlapped_step
 
+    def _resolve_grad_reducer(self):
+        """The given reducer, else the active runtime's for the optimizer's parameters (or None)."""
+        if self._given_grad_reducer is not None:
+            return self._given_grad_reducer
+        reducer = get_runtime().grad_reducer(self._optimizer.parameters)
+        if reducer is not None and not callable(reducer):
+            raise TypeError(f"Model.train: the runtime's grad reducer must be callable (grads -> grads), got "
+                            f"{type(reducer).__name__}")
+        return reducer
+
     def _broadcast_parameters(self):
         reducer = self.grad_reducer
         if not getattr(reducer, "parameter_broadcast", False):
@@ -301,6 +293,7 @@ class Model:
                                  f"epoch, but train_dataset has {batch_num}; resume with the same dataset, batch "
                                  f"size and sharding")
             start_epoch, skip, global_step = pos.epoch, pos.skip_batches, pos.global_step
+        self.grad_reducer = self._resolve_grad_reducer()
         self._broadcast_parameters()
 
         cb_params = CallbackParam(

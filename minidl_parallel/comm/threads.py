@@ -8,11 +8,13 @@ add the slots in rank order, so every rank gets bit-identical results.
 A rank that raises, or returns while others wait for it in a collective, must not hang the
 rest: barriers poll the world's state and raise :class:`CollectiveAborted` then.
 
+Worlds of several ranks are started by :func:`minidl_parallel.run_threads`, which gives
+every thread its parallel runtime (as ``init()`` does for a process):
+
 Example:
     >>> import numpy as np
-    >>> from minidl_parallel import get_rank
-    >>> from minidl_parallel.comm.threads import run_threads, current_communicator
-    >>> run_threads(2, lambda: current_communicator().allreduce(np.array([get_rank() + 1.0])))
+    >>> from minidl_parallel import get_communicator, get_rank, run_threads
+    >>> run_threads(2, lambda: get_communicator().allreduce(np.array([get_rank() + 1.0])))
     [array([3.]), array([3.])]
 """
 import threading
@@ -22,7 +24,7 @@ import numpy
 
 from .base import Communicator
 
-__all__ = ["ThreadsCommunicator", "ThreadsWorld", "CollectiveAborted", "run_threads", "current_communicator"]
+__all__ = ["ThreadsCommunicator", "ThreadsWorld", "CollectiveAborted", "run_ranks"]
 
 _POLL_S = 0.05
 _REDUCERS = {"sum": numpy.add, "max": numpy.maximum, "min": numpy.minimum, "prod": numpy.multiply}
@@ -172,17 +174,12 @@ def _check_same(values, name):
         raise RuntimeError(f"threads backend: {name}: ranks passed different shapes/dtypes ({detail})")
 
 
-def current_communicator():
-    """The calling thread's communicator (after init, or inside :func:`run_threads`)."""
-    from ..context import get_communicator
-    return get_communicator()
+def run_ranks(n, fn, timeout=300.0):
+    """Runs ``fn(comm)`` on n threads, each with its rank's communicator of one threads world.
 
-
-def run_threads(n, fn, *args, timeout=300.0):
-    """Runs ``fn(*args)`` on n threads, each a rank of a threads-backend world; returns the results.
-
-    Inside each thread ``init("threads")`` has already run, so ``get_rank()``,
-    ``get_group_size()`` and the auto-parallel context are that thread's own.
+    This is the backend's part of :func:`minidl_parallel.run_threads` (which also gives each
+    thread its parallel runtime, as ``init()`` does for a process): starting the threads,
+    the deadline, and turning one rank's failure into the others' abort.
 
     An exception in any rank aborts the others' pending collectives and is re-raised here,
     with "rank r of n" prefixed to its message (the first real failure wins over the
@@ -190,15 +187,13 @@ def run_threads(n, fn, *args, timeout=300.0):
 
     Args:
         n: number of ranks (>= 1).
-        fn: the per-rank function.
+        fn: the per-rank function, called with the rank's communicator.
         timeout: seconds to wait for all ranks before raising TimeoutError (the ranks
             still running are aborted at their next collective).
 
     Returns:
         ``[fn result on rank 0, ..., on rank n - 1]``.
     """
-    from .. import context
-
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"run_threads: n must be an int >= 1, got {n!r}")
     world = ThreadsWorld(n)
@@ -209,16 +204,14 @@ def run_threads(n, fn, *args, timeout=300.0):
 
     def body(rank):
         comm = ThreadsCommunicator(world, root, rank)
-        context._bind_thread(comm)
         try:
-            results[rank] = fn(*args)
+            results[rank] = fn(comm)
         except BaseException as exc:  # noqa: B902 - re-raised in the caller
             errors[rank] = exc
             order.append(rank)
             world.abort(f"rank {rank} raised {type(exc).__name__}: {exc}")
         finally:
             world.finished[rank] = True
-            context._unbind_thread()
 
     threads = [threading.Thread(target=body, args=(r,), name=f"minidl-rank-{r}", daemon=True) for r in range(n)]
     for t in threads:

@@ -1,8 +1,8 @@
 """The dispatcher: runs every operator of a (semi-)auto parallel network on this rank's blocks.
 
-Installed through minidl's two seams (``ops.primitive.set_call_hook`` and
-``nn.cell.set_cell_call_hook``) when SEMI_AUTO_PARALLEL or AUTO_PARALLEL is set; it does
-nothing on ranks in other modes. For each primitive call it:
+The parallel runtime (minidl_parallel/runtime.py) calls :func:`run_op` for every primitive
+call and :func:`run_cell` for every Cell call while this rank runs SEMI_AUTO_PARALLEL or
+AUTO_PARALLEL. For each primitive call it:
 
 1. reads the layouts of the tensor arguments (tensors.py; untagged tensors are whole);
 2. takes the strategy: ``.shard()``'s, else AUTO's propagation from the inputs' layouts, else
@@ -22,25 +22,27 @@ outputs, so a loss is whole, and equal, on every rank.
 import copy
 import threading
 
-from minidl.nn import cell as cell_module
-from minidl.ops import primitive as primitive_module
-from minidl.tensor import Parameter, Tensor, is_grad_enabled, set_shape_hook
+from minidl.tensor import Parameter, Tensor, is_grad_enabled
 
+from .. import context
+from ..collectives import AllGather, AllReduce, Broadcast, ReduceScatter
 from . import counter
 from .explain import recording
 from .executor import GroupCache, Redistribute
 from .layout import Layout
-from .parameters import ShardedStateAdapter, place_parameter
+from .parameters import place_parameter
 from .redistribution import comm_bytes, plan_redistribution
 from .rules import Decomposed, StrategyError, TensorSpec, get_rule
 from .rules.base import NoRuleError
 from .tensors import get_layout, layout_of, set_layout, tag_input
 
-__all__ = ["install", "active_context", "redistribute", "group_along", "full_value", "gather_like"]
+__all__ = ["run_op", "run_cell", "active_context", "groups", "redistribute", "group_along", "full_value",
+           "gather_like"]
 
 _tls = threading.local()
 _groups = GroupCache()
-_installed = {"done": False}
+# Collectives and redistributions run as they are: they already act on this rank's blocks.
+_PASSTHROUGH = (Redistribute, AllReduce, AllGather, ReduceScatter, Broadcast)
 
 
 def _rank_state():
@@ -56,56 +58,34 @@ class _RankState:
         self.root = None    # the outermost Cell being called (for operator paths)
 
 
+def groups():
+    """The sub-communicator cache shared by every rank of the process."""
+    return _groups
+
+
 def active_context():
     """(world communicator, settings, device_num) when this rank runs (semi-)auto parallel, else None."""
-    from .. import context
     if not context.tensor_parallel_active():
         return None
-    comm = context.get_communicator()
+    world = context.current_world()
     device_num = context.get_auto_parallel_context("device_num")
-    if device_num != comm.size:
-        raise ValueError(f"tensor parallel: device_num is {device_num} but the world has {comm.size} ranks; "
+    if device_num != world.comm.size:
+        raise ValueError(f"tensor parallel: device_num is {device_num} but the world has {world.comm.size} ranks; "
                          f"set_auto_parallel_context(device_num=...) must equal the number of ranks")
-    return comm, context._state().settings, device_num
+    return world.comm, world.settings, device_num
 
 
 def _world():
     ctx = active_context()
-    if ctx is None:
-        from .. import context
-        return context.get_communicator(), _groups
-    return ctx[0], _groups
-
-
-def _global_shape(tensor):
-    entry = get_layout(tensor)
-    return None if entry is None else entry[1]
-
-
-def install():
-    """Installs the hooks and the sharded-state adapter (idempotent; inactive outside (semi-)auto)."""
-    if _installed["done"]:
-        return
-    if primitive_module.get_call_hook() not in (None, _op_hook):
-        raise RuntimeError("tensor parallel: another primitive call hook is installed")
-    primitive_module.set_call_hook(_op_hook)
-    cell_module.set_cell_call_hook(_cell_hook)
-    from minidl.common.sharded_state import set_sharded_state_adapter
-    set_sharded_state_adapter(ShardedStateAdapter(_world))
-    set_shape_hook(_global_shape)
-    _installed["done"] = True
+    return (context.get_communicator() if ctx is None else ctx[0]), _groups
 
 
 # ---- operators ------------------------------------------------------------------------------
 
-def _passthrough_types():
-    from ..collectives import AllGather, AllReduce, Broadcast, ReduceScatter
-    return (Redistribute, AllReduce, AllGather, ReduceScatter, Broadcast)
-
-
-def _op_hook(prim, args):
+def run_op(prim, args):
+    """Runs primitive ``prim`` on this rank's blocks of ``args`` (see the module docstring)."""
     ctx = active_context()
-    if ctx is None or isinstance(prim, _passthrough_types()):
+    if ctx is None or isinstance(prim, _PASSTHROUGH):
         return prim.apply(*args)
     return _run_sharded(prim, args, *ctx)
 
@@ -279,7 +259,8 @@ def _wrap_backward(node, sharding, positions, comm):
 
 # ---- cells ----------------------------------------------------------------------------------
 
-def _cell_hook(cell, args, kwargs):
+def run_cell(cell, args, kwargs):
+    """Runs a Cell; the outermost call tags its inputs and makes its partial outputs whole."""
     ctx = active_context()
     if ctx is None:
         return cell.construct(*args, **kwargs)
@@ -324,8 +305,7 @@ def group_along(layout, axes):
 
 def redistribute(tensor, layout):
     """Returns ``tensor`` moved to ``layout`` (differentiable; every rank must call it)."""
-    ctx = active_context()
-    comm = ctx[0] if ctx is not None else _world()[0]
+    comm = _world()[0]
     device_num = comm.size
     have, shape = layout_of(tensor, device_num)
     if have == layout:
@@ -337,9 +317,9 @@ def redistribute(tensor, layout):
 
 
 def _alias(tensor):
-    """A new Tensor over the same block (so the layout table can tag it differently), differentiable."""
+    """A new Tensor over the same block (so it can carry another placement), differentiable."""
     from minidl import ops
-    return ops.Reshape().apply(tensor, tuple(tensor.shape))  # apply: local, not dispatched again
+    return ops.Reshape().apply(tensor, tuple(tensor.data.shape))  # the block's shape; apply: not dispatched again
 
 
 def full_value(tensor):

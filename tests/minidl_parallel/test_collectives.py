@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 import minidl
 from minidl import Tensor
 from minidl_parallel.collectives import AllGather, AllReduce, Broadcast, ReduceScatter, resolve_communicator
-from minidl_parallel.comm.threads import run_threads
+from minidl_parallel import run_threads
 
 WORLDS = st.sampled_from([1, 2, 3, 4])
 SHAPES = st.lists(st.integers(1, 3), min_size=1, max_size=2).map(tuple)

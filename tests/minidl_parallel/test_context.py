@@ -1,12 +1,16 @@
-"""init/release, ranks, the auto-parallel context and its hooks into minidl."""
+"""init/release, ranks, the auto-parallel context and the runtime it installs into minidl."""
+import multiprocessing
+
 import numpy as np
+
+import minidl
 import pytest
 
 import minidl_parallel as mp
-from minidl.dataset import get_default_shards, set_default_shards
-from minidl.train import model as train_model
+from minidl.runtime import LOCAL, get_runtime
 from minidl_parallel import ParallelMode
-from minidl_parallel.comm.threads import run_threads
+from minidl_parallel import run_threads
+from minidl_parallel.runtime import ParallelRuntime
 
 
 @pytest.fixture(autouse=True)
@@ -16,8 +20,6 @@ def _clean():
     yield
     mp.release()
     mp.reset_auto_parallel_context()
-    set_default_shards(None, None)
-    train_model.set_default_grad_reducer(None)
 
 
 def test_world_of_one_before_and_after_init(monkeypatch):
@@ -63,15 +65,90 @@ def test_auto_parallel_context_validation(kwargs, match):
         mp.get_auto_parallel_context("x")
 
 
-def test_data_parallel_registers_per_thread_shards_and_grad_reducer():
-    def body():
-        mp.set_auto_parallel_context(parallel_mode=ParallelMode.DATA_PARALLEL, gradients_mean=True)
-        return get_default_shards(), mp.get_auto_parallel_context("global_rank")
+def test_init_installs_a_runtime_and_release_removes_it(monkeypatch):
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert get_runtime() is LOCAL
+    mp.set_auto_parallel_context(gradients_mean=True)  # before init: carried into the world
+    mp.init()
+    runtime = get_runtime()
+    assert isinstance(runtime, ParallelRuntime) and runtime.scope == "process"
+    assert (runtime.rank(), runtime.group_size()) == (0, 1) and runtime.world.settings["gradients_mean"] is True
+    mp.release()
+    assert get_runtime() is LOCAL and mp.get_auto_parallel_context("gradients_mean") is True
 
-    assert run_threads(3, body, timeout=20) == [((3, r), r) for r in range(3)]
-    # The main thread is not data parallel: the registered provider answers "no sharding".
-    assert get_default_shards() is None
-    assert train_model.get_default_grad_reducer()([]) is None
+
+def test_each_thread_rank_has_its_own_runtime_and_the_main_thread_none():
+    def body():
+        runtime = get_runtime()
+        return type(runtime).__name__, runtime.scope, runtime.rank(), runtime.group_size()
+
+    assert run_threads(3, body, timeout=20) == [("ParallelRuntime", "thread", r, 3) for r in range(3)]
+    assert get_runtime() is LOCAL
+
+
+def test_data_parallel_grad_reducer_is_resolved_per_thread_when_asked():
+    def body():
+        params = [minidl.Parameter(np.ones(2), name="w")]
+        before = get_runtime().grad_reducer(params)
+        mp.set_auto_parallel_context(parallel_mode=ParallelMode.DATA_PARALLEL, gradients_mean=True)
+        after = get_runtime().grad_reducer(params)
+        return before, type(after).__name__, after.mean
+
+    assert run_threads(3, body, timeout=20) == [(None, "DistributedGradReducer", True)] * 3
+    assert LOCAL.grad_reducer([]) is None
+
+
+def test_init_refuses_a_world_size_it_cannot_build(monkeypatch):
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match=r"world_size=4 was asked, but this process was not started by a "
+                                           r"launcher .* `mpirun -n 4"):
+        mp.init(world_size=4)
+    assert not mp.is_initialized() and get_runtime() is LOCAL
+    with pytest.raises(RuntimeError, match="rank=1 was asked, but backend 'local' gave this process rank 0 of 1"):
+        mp.init(rank=1)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 1\] for world_size=2, got 2"):
+        mp.init(rank=2, world_size=2)
+    with pytest.raises(ValueError, match="world_size must be None or an int >= 1, got 0"):
+        mp.init(world_size=0)
+    assert mp.init(rank=0, world_size=1).size == 1
+
+
+def test_init_inside_the_threads_world_checks_the_stated_world():
+    def body():
+        assert mp.init("threads", rank=mp.get_rank(), world_size=3) is mp.get_communicator()
+        with pytest.raises(RuntimeError, match="world_size=2 was asked, but backend 'threads' built a world of 3"):
+            mp.init(world_size=2)
+        return True
+
+    assert run_threads(3, body, timeout=20) == [True] * 3
+
+
+def _init_in_child(rank, world_size, queue):
+    import minidl_parallel
+    try:
+        minidl_parallel.init(rank=rank, world_size=world_size)
+        queue.put((rank, "trained alone"))
+    except RuntimeError as e:
+        queue.put((rank, str(e)))
+
+
+def test_processes_started_without_a_launcher_raise_instead_of_training_alone(monkeypatch):
+    """SINGA's pattern: multiprocessing.Process workers that call init(rank=, world_size=)."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_init_in_child, args=(r, 2, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    answers = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert sorted(answers) == [0, 1]
+    for message in answers.values():
+        assert "world_size=2 was asked, but this process was not started by a launcher" in message
 
 
 def test_settings_are_thread_local_under_the_threads_backend():
@@ -98,7 +175,7 @@ def test_ranks_on_one_machine_share_its_cores_for_intra_op_threads(monkeypatch):
     unless the user chose them (MINIDL_NUM_THREADS) or the thread count (OMP_NUM_THREADS)."""
     import os
     import minidl
-    from minidl_parallel import context
+    from minidl_parallel import world as context
     before = minidl.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MINIDL_NUM_THREADS", raising=False)

@@ -13,7 +13,7 @@ from hypothesis import example, given, strategies as st
 import minidl
 from minidl import Tensor, nn
 from minidl_parallel.collectives import resolve_communicator
-from minidl_parallel.comm.threads import run_threads
+from minidl_parallel import run_threads
 from minidl_parallel.grad_reducer import DistributedGradReducer
 from minidl_parallel.sync_batchnorm import SyncBatchNorm
 
@@ -103,9 +103,10 @@ def test_plain_batchnorm_keeps_local_statistics():
     assert not np.allclose(got["1.moving_mean"], want["1.moving_mean"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("gradients_mean", [True, False])
-def test_model_train_under_data_parallel_equals_one_process(gradients_mean):
-    """Model.train reduces gradients and shards the dataset by itself once the mode is DATA_PARALLEL."""
+@pytest.mark.parametrize("gradients_mean, mode_after_model", [(True, False), (False, False), (True, True)])
+def test_model_train_under_data_parallel_equals_one_process(gradients_mean, mode_after_model):
+    """Model.train reduces gradients once the mode is DATA_PARALLEL, also when the mode is set after the
+    Model was built (it asks the runtime when training starts); each rank reads the shard it asks for."""
     from minidl.dataset import NumpySlicesDataset
     import minidl_parallel as mp
 
@@ -116,21 +117,28 @@ def test_model_train_under_data_parallel_equals_one_process(gradients_mean):
     init = {name: p.data.copy() for name, p in _net("cnn", nn.BatchNorm2d).parameters_and_names()}
     reduction = "mean" if gradients_mean else "sum"
 
-    def fit(bn_cls, batch):
+    def set_mode():
+        mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL, gradients_mean=gradients_mean)
+
+    def fit(bn_cls, batch, before_train=None, shards=None):
         net = _net("cnn", bn_cls)
         for name, p in net.parameters_and_names():
             p.set_data(init[name].copy())
         model = minidl.Model(net, nn.MSELoss(reduction=reduction),
                              nn.Momentum(net.trainable_params(), learning_rate=0.05, momentum=0.9))
-        ds = NumpySlicesDataset({"data": X, "label": Y}, shuffle=False).batch(batch)
+        if before_train is not None:
+            before_train()
+        ds = NumpySlicesDataset({"data": X, "label": Y}, shuffle=False, **(shards or {})).batch(batch)
         model.train(1, ds, progress=False)
         return {name: p.data.copy() for name, p in net.parameters_and_names()}
 
     want = fit(nn.BatchNorm2d, n * per_rank)
 
     def rank_body():
-        mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL, gradients_mean=gradients_mean)
-        return fit(SyncBatchNorm, per_rank)
+        if not mode_after_model:
+            set_mode()
+        shards = {"num_shards": mp.get_group_size(), "shard_id": mp.get_rank()}
+        return fit(SyncBatchNorm, per_rank, set_mode if mode_after_model else None, shards)
 
     for got in run_threads(n, rank_body):
         for name, value in got.items():

@@ -5,7 +5,7 @@ from hypothesis import given, strategies as st
 
 from minidl import Parameter, Tensor
 from minidl_parallel.collectives import resolve_communicator
-from minidl_parallel.comm.threads import run_threads
+from minidl_parallel import run_threads
 from minidl_parallel.grad_reducer import DistributedGradReducer
 
 SHAPES = st.lists(st.lists(st.integers(1, 4), min_size=0, max_size=2).map(tuple), min_size=1, max_size=5)

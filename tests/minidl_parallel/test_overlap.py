@@ -7,7 +7,7 @@ from minidl import nn
 from minidl.dataset import NumpySlicesDataset
 from minidl.ops.primitive import Primitive
 from minidl_parallel.collectives import resolve_communicator
-from minidl_parallel.comm.threads import run_threads
+from minidl_parallel import run_threads
 from minidl_parallel.grad_reducer import DistributedGradReducer
 
 F64 = minidl.float64

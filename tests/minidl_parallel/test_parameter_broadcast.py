@@ -7,20 +7,8 @@ import minidl_parallel as mp
 from minidl import Parameter, Tensor, nn
 from minidl.dataset import NumpySlicesDataset
 from minidl.train import Callback
-from minidl_parallel.comm.threads import run_threads
+from minidl_parallel import run_threads
 from minidl_parallel.grad_reducer import DistributedGradReducer
-
-
-@pytest.fixture(autouse=True)
-def _unregister():
-    # DATA_PARALLEL registers process-global factories in minidl; leave none behind for other tests.
-    yield
-    from minidl.dataset.sharding import set_default_shards
-    from minidl.train import set_default_grad_reducer
-    from minidl.train.callbacks import set_rank_provider
-    set_default_grad_reducer(None)
-    set_default_shards(None, None)
-    set_rank_provider(None)
 
 
 class _Snapshot(Callback):

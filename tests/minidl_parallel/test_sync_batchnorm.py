@@ -6,7 +6,7 @@ from hypothesis import given, strategies as st
 import minidl
 from minidl import Tensor, nn
 from minidl_parallel.collectives import resolve_communicator
-from minidl_parallel.comm.threads import run_threads
+from minidl_parallel import run_threads
 from minidl_parallel.sync_batchnorm import SyncBatchNorm
 
 

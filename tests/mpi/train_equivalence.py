@@ -3,7 +3,8 @@
 Each rank first trains, alone, rank 0's initial MLP on the whole global batches (the
 reference, no collectives), then turns on DATA_PARALLEL (gradients_mean, parameter_broadcast)
 and trains a net initialised from ITS OWN seed: the parameter broadcast must replace it
-with rank 0's, the dataset shards by rank, the reducer averages the gradients. Losses
+with rank 0's, each rank reads the shard it asks for (num_shards, shard_id), the reducer
+averages the gradients. Losses
 (averaged over ranks) and parameters must match the reference in float64 to 1e-10
 relative; prints ``rank r: ok`` or exits 1.
 """
@@ -35,10 +36,10 @@ def net_seeded(seed):
                              nn.Dense(5, 2, dtype=F64))
 
 
-def train(net, data, label, batch):
+def train(net, data, label, batch, **shards):
     opt = nn.Momentum(net.trainable_params(), learning_rate=0.05, momentum=0.9)
     model = Model(net, nn.MSELoss(reduction="mean"), opt)
-    ds = NumpySlicesDataset({"data": data, "label": label}, shuffle=False).batch(batch)
+    ds = NumpySlicesDataset({"data": data, "label": label}, shuffle=False, **shards).batch(batch)
     losses = Losses()
     model.train(1, ds, callbacks=[losses], progress=False)
     return losses.values, {name: p.data.copy() for name, p in net.parameters_and_names()}
@@ -57,7 +58,8 @@ def main():
                                  parameter_broadcast=True)
     # Sharding interleaves rows (rank r reads r, r + n, ...), so rank r's batch i is its share
     # of rows [i * n * PER_RANK, (i + 1) * n * PER_RANK): exactly the reference's batch i.
-    local_losses, got = train(net_seeded(0 if r == 0 else 100 + r), data, label, PER_RANK)
+    local_losses, got = train(net_seeded(0 if r == 0 else 100 + r), data, label, PER_RANK,
+                              num_shards=mp.get_group_size(), shard_id=mp.get_rank())
     got_losses = [float(comm.allreduce(np.asarray(v), "mean")) for v in local_losses]
 
     failures = []

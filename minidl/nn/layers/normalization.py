@@ -55,14 +55,14 @@ class _BatchNorm(Cell):
 
         The ResNet blocks call it: the fused op keeps no intermediate activation and makes fewer
         passes over it than BatchNorm, Add and ReLU one after another. Subclasses with their own BatchNorm
-        op (SyncBatchNorm) and tensor-parallel runs (an installed call hook, which has rules for
-        the separate ops) get the separate ops, with the same result.
+        op (SyncBatchNorm) get the separate ops, with the same result; under tensor parallelism the
+        fused op's sharding rule runs it as the separate ops.
 
         Example:
             >>> out = self.bn2.with_relu(self.conv2(out), identity)   # end of a residual block
         """
         bn = self._op(x)
-        if type(bn) is not ops.BatchNorm or ops.get_call_hook() is not None:
+        if type(bn) is not ops.BatchNorm:
             y = bn(x, self.gamma, self.beta, self.moving_mean, self.moving_variance)
             return ops.relu(y if residual is None else y + residual)
         fused = ops.BatchNormReLU(bn.is_training, bn.epsilon, bn.momentum)

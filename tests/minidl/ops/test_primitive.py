@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from minidl import ops, Tensor
-from minidl.ops import set_call_hook
+from minidl.runtime import Runtime
 
 
 def test_shard_stores_and_returns_self():
@@ -43,16 +43,16 @@ def test_one_primitive_called_twice_keeps_separate_saved_state():
     np.testing.assert_array_equal(b.grad.asnumpy(), [2.0, 0.0])
 
 
-def test_call_hook_sees_every_primitive_call():
+def test_the_active_runtime_sees_every_primitive_call():
     seen = []
 
-    def hook(prim, args):
-        seen.append(prim.name)
-        return prim.apply(*args)
-    set_call_hook(hook)
-    try:
+    class Seeing(Runtime):
+        def call_op(self, prim, args):
+            seen.append(prim.name)
+            return prim.apply(*args)
+
+    with Seeing():
         y = ops.relu(Tensor(np.array([1.0, -1.0]))) + 1.0
-    finally:
-        set_call_hook(None)
+    ops.relu(Tensor(np.array([1.0])))  # after the block: the local runtime again
     assert seen == ["ReLU", "Add"]
     np.testing.assert_array_equal(y.asnumpy(), [2.0, 1.0])

@@ -193,21 +193,23 @@ def test_append_info_goes_to_metadata(tmp_path):
     assert (meta["lr"], meta["tag"], meta["epoch_num"]) == ("0.05", "x", "1")
 
 
-def test_loss_monitor_rank0_only_asks_the_registered_rank(capsys):
-    from minidl.train.callbacks import get_rank_provider, set_rank_provider
-    assert get_rank_provider()() == 0
-    try:
-        set_rank_provider(lambda: 1)
+def test_loss_monitor_rank0_only_asks_the_runtime_for_the_rank(capsys):
+    from minidl.runtime import Runtime
+
+    class Rank(Runtime):
+        def __init__(self, rank):
+            self._rank = rank
+
+        def rank(self):
+            return self._rank
+
+    with Rank(1):
         _const_model(1.5).train(1, _small_ds(8, 4), callbacks=LossMonitor(rank0_only=True))
         assert capsys.readouterr().out == ""
         _const_model(1.5).train(1, _small_ds(8, 4), callbacks=LossMonitor())  # every rank prints by default
         assert capsys.readouterr().out == "epoch: 1 step: 1, loss is 1.5\nepoch: 1 step: 2, loss is 1.5\n"
-        set_rank_provider(lambda: 0)
+    with Rank(0):
         _const_model(1.5).train(1, _small_ds(8, 4), callbacks=LossMonitor(rank0_only=True))
         assert capsys.readouterr().out.count("loss is 1.5") == 2
-    finally:
-        set_rank_provider(None)
     with pytest.raises(TypeError, match="rank0_only must be True or False"):
         LossMonitor(rank0_only=1)
-    with pytest.raises(TypeError, match="fn must be a zero-argument callable or None"):
-        set_rank_provider(3)

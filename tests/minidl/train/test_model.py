@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from minidl import nn, ops, Tensor
-from minidl.train import (Accuracy, Loss, Model, ProgressBar, TopKCategoricalAccuracy, set_default_grad_reducer,
-                          get_default_grad_reducer)
+from minidl.train import Accuracy, Loss, Model, ProgressBar, TopKCategoricalAccuracy
 from minidl.train.progress import use_progress_bar
 
 from .helpers import FakeSlices, StopAt, blobs, ce_loss, mlp, momentum, slices
@@ -109,29 +108,28 @@ def test_grad_reducer_sees_every_gradient_before_the_optimizer():
     assert all(np.array_equal(a, b) for a, b in zip(before, _params(net)))  # zero gradients: no change
 
 
-def test_default_grad_reducer_factory_applies_to_new_models():
+def test_the_runtime_is_asked_for_a_grad_reducer_when_training_starts():
+    """Not when the Model is built: a parallel mode set later must still take effect."""
+    from minidl.runtime import Runtime
     made = []
 
-    def factory(params):
-        made.append(len(params))
-        return lambda grads: grads
+    class Reducing(Runtime):
+        def grad_reducer(self, parameters):
+            made.append(len(parameters))
+            return lambda grads: grads
 
-    # The registry is process-wide: minidl_parallel's init (run by other tests) may have left
-    # its factory, which is inert outside data-parallel mode. Save it and put it back.
-    previous = get_default_grad_reducer()
-    set_default_grad_reducer(factory)
-    try:
-        net = mlp()
-        model = Model(net, ce_loss(), momentum(net))
+    net = mlp()
+    model = Model(net, ce_loss(), momentum(net))
+    assert model.grad_reducer is None and made == []
+    x, y = blobs(n=8)
+    with Reducing():
+        model.train(1, slices((x, y), ["x", "y"], 4))
         assert made == [4] and model.grad_reducer is not None
         explicit = Model(net, ce_loss(), momentum(net), grad_reducer=lambda g: g)
-        assert made == [4] and explicit.grad_reducer is not None
-        set_default_grad_reducer(None)
-        assert Model(net, ce_loss(), momentum(net)).grad_reducer is None
-        with pytest.raises(TypeError, match="factory must be callable"):
-            set_default_grad_reducer(3)
-    finally:
-        set_default_grad_reducer(previous)
+        explicit.train(1, slices((x, y), ["x", "y"], 4))
+        assert made == [4]  # a given reducer wins
+    model.train(1, slices((x, y), ["x", "y"], 4))
+    assert model.grad_reducer is None  # the local runtime again: no reduction
 
 
 def test_metrics_log_has_a_record_per_step_and_per_epoch(tmp_path):

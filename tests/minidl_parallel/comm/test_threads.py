@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import minidl_parallel as mp
-from minidl_parallel.comm.threads import CollectiveAborted, run_threads
+from minidl_parallel import run_threads
+from minidl_parallel.comm.threads import CollectiveAborted
 
 OPS = {"sum": lambda xs: np.sum(xs, axis=0), "mean": lambda xs: np.mean(xs, axis=0),
        "max": lambda xs: np.max(xs, axis=0), "min": lambda xs: np.min(xs, axis=0),

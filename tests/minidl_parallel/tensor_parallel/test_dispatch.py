@@ -6,7 +6,7 @@ import minidl
 from minidl import nn, ops, Parameter, Tensor
 from minidl.dataset import NumpySlicesDataset
 from minidl.train import Callback, Model
-from minidl_parallel.comm.threads import run_threads
+from minidl_parallel import run_threads
 from minidl_parallel.tensor_parallel import CommCounter, StrategyError, NoRuleError, explain, get_layout
 from minidl_parallel.tensor_parallel.dispatch import full_value
 
@@ -147,9 +147,9 @@ class Losses(Callback):
         self.values.append(float(run_context.original_args().net_outputs.asnumpy()))
 
 
-def _train(net, x, y, steps, batch):
+def _train(net, x, y, steps, batch, **shards):
     losses = Losses()
-    ds = NumpySlicesDataset({"data": x, "label": y}, shuffle=False).batch(batch)
+    ds = NumpySlicesDataset({"data": x, "label": y}, shuffle=False, **shards).batch(batch)
     opt = nn.Momentum(net.trainable_params(), 0.1, 0.9)
     Model(net, nn.MSELoss(), opt).train(1, ds.take(steps) if hasattr(ds, "take") else ds, callbacks=[losses])
     return losses.values, opt
@@ -165,13 +165,15 @@ def test_model_train_losses_parameters_and_optimizer_state_equal_single_device(t
         import minidl_parallel as mp
         net = FFN()
         net.dense1.matmul.shard(((2, 2), (2, 1)))
-        losses, opt = _train(net, x, y, 2, 16 // mp.get_group_size())
+        # dataset_strategy "data_parallel": each rank reads its slice of every global batch.
+        losses, opt = _train(net, x, y, 2, 16 // mp.get_group_size(), num_shards=mp.get_group_size(),
+                             shard_id=mp.get_rank())
         assert net.dense1.weight.data.shape == (16, 16)  # its block of (32, 16): K cut in 2
         assert opt.state_dict()["moments.dense1.weight"].data.shape == (16, 16)  # the state follows the block
         path = tmp_path / f"rank{mp.get_rank()}.ckpt"
-        minidl.save_checkpoint(net, str(path))
+        minidl.save_checkpoint(net, str(path), integrated_save=True)
         opt_path = tmp_path / f"opt{mp.get_rank()}.ckpt"
-        minidl.save_checkpoint(opt, str(opt_path))
+        minidl.save_checkpoint(opt, str(opt_path), integrated_save=True)
         return losses, {p.name: np.array(full_value(p)) for p in net.trainable_params()}, str(path), str(opt_path)
     for losses, params, path, opt_path in _on_ranks(4, fn):
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
@@ -233,7 +235,8 @@ def test_model_checkpoint_and_resume_under_tensor_parallel_equal_an_uninterrupte
         import minidl_parallel as mp
         net = FFN()
         net.dense1.matmul.shard(((2, 2), (2, 1)))
-        ds = NumpySlicesDataset({"data": x, "label": y}, shuffle=True).batch(16 // mp.get_group_size())
+        ds = NumpySlicesDataset({"data": x, "label": y}, shuffle=True, num_shards=mp.get_group_size(),
+                                shard_id=mp.get_rank()).batch(16 // mp.get_group_size())
         model = Model(net, nn.MSELoss(), nn.Momentum(net.trainable_params(), 0.1, 0.9))
         steps = Losses()
         callbacks = [steps]

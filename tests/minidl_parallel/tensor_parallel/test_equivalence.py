@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from minidl_parallel.comm.threads import run_threads
+from minidl_parallel import run_threads
 from minidl_parallel.testing import compare_runs, init_arrays, layer_shapes, run_rank, run_single
 
 WORLDS = (1, 2, 4, 8)

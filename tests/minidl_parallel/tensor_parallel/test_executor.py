@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 from minidl import Tensor
 from minidl_parallel import get_communicator
 from minidl_parallel.comm.local import LocalCommunicator
-from minidl_parallel.comm.threads import run_threads
+from minidl_parallel import run_threads
 from minidl_parallel.tensor_parallel.counter import CommCounter
 from minidl_parallel.tensor_parallel.executor import GroupCache, Redistribute, execute, gather_full, local_block
 from minidl_parallel.tensor_parallel.layout import Layout

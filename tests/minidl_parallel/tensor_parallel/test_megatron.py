@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from minidl import nn, ops, Parameter, Tensor
-from minidl_parallel.comm.threads import run_threads
+from minidl_parallel import run_threads
 from minidl_parallel.tensor_parallel import CommCounter
 from minidl_parallel.tensor_parallel.dispatch import full_value, gather_like
 

@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 
 import minidl
 from minidl import Parameter, Tensor, nn, ops
-from minidl_parallel.comm.threads import run_threads
+from minidl_parallel import run_threads
 from minidl_parallel.tensor_parallel.dispatch import full_value, gather_like
 from minidl_parallel.tensor_parallel.layout import Layout
 from minidl_parallel.tensor_parallel.rules import StrategyError, TensorSpec, get_rule

@@ -1,0 +1,157 @@
+"""The runtime: the one object the core asks, at the moment of use, how to run in parallel.
+
+minidl itself is single-device. Everything a parallel package changes goes through the
+:class:`Runtime` that is active when the question comes up, never through state captured
+when a Model, dataset or optimizer was built:
+
+- running an operator (``Primitive.__call__``) and a Cell (``Cell.__call__``);
+- reducing gradients in ``Model.train`` (asked at the start of every ``train``/``fit``);
+- the rank and world size for logs, progress and checkpoints;
+- the whole value of a tensor that holds only this rank's block (checkpoints), and the
+  block of a whole value (loading, optimizer state);
+- the cross-rank sums of evaluation metrics, and decisions every rank must share
+  (whether to save a checkpoint now).
+
+The base class is the single-device runtime, and it is what :func:`get_runtime` returns
+when nothing is installed. A parallel package subclasses it and installs its instance with
+``with runtime:`` (or :func:`set_runtime`): for the calling thread (the threads world of
+tests runs one rank per thread) or for the whole process (one rank per process under
+mpirun). A thread's own runtime wins over the process's. ``minidl`` never imports
+``minidl_parallel``; the arrow goes one way.
+
+Example:
+    >>> class Counting(Runtime):
+    ...     calls = 0
+    ...     def call_op(self, prim, args):
+    ...         Counting.calls += 1
+    ...         return prim.apply(*args)
+    >>> with Counting():
+    ...     y = ops.relu(Tensor([1.0, -1.0]))
+"""
+import threading
+
+__all__ = ["Runtime", "get_runtime", "set_runtime", "LOCAL"]
+
+
+class Runtime:
+    """The single-device runtime; parallel runtimes override what they change.
+
+    Every method is asked at the moment of use, on the calling thread.
+    """
+
+    name = "local"
+    intercepts_ops = False  # True: call_op does more than prim.apply (so fused shortcuts must not bypass it)
+
+    # ---- where this process stands ----------------------------------------------------------
+
+    def rank(self):
+        """This rank in the world (0 on one device)."""
+        return 0
+
+    def group_size(self):
+        """The number of ranks in the world (1 on one device)."""
+        return 1
+
+    # ---- running the network ----------------------------------------------------------------
+
+    def call_op(self, prim, args):
+        """Runs primitive ``prim`` on ``args`` (Tensors and Python values) and returns its Tensor."""
+        return prim.apply(*args)
+
+    def call_cell(self, cell, args, kwargs):
+        """Runs ``cell.construct(*args, **kwargs)``."""
+        return cell.construct(*args, **kwargs)
+
+    # ---- training ---------------------------------------------------------------------------
+
+    def grad_reducer(self, parameters):
+        """The gradient reducer ``Model.train`` uses for ``parameters`` when given none, or None.
+
+        Asked at the start of every ``train`` / ``fit``, so a mode set after the Model was
+        built takes effect (and one the Model cannot follow raises there).
+        """
+        return None
+
+    # ---- sharded state ----------------------------------------------------------------------
+
+    def full_value(self, tensor):
+        """The whole value of ``tensor`` as an array (a collective when it holds a block)."""
+        self._refuse_sharded(tensor, "full_value")
+        return tensor.data
+
+    def local_value(self, tensor, value):
+        """The part of the whole ``value`` that ``tensor`` holds on this rank (loading a checkpoint)."""
+        self._refuse_sharded(tensor, "local_value")
+        return value
+
+    def follow(self, param, buffer):
+        """The block of ``buffer`` (made whole) that matches ``param``'s block (optimizer state)."""
+        self._refuse_sharded(param, "follow")
+        raise ValueError(f"optimizer state {getattr(buffer, 'name', '?')!r} has shape {tuple(buffer.shape)} but its "
+                         f"parameter {getattr(param, 'name', '?')!r} has shape {tuple(param.shape)}")
+
+    @staticmethod
+    def _refuse_sharded(tensor, what):
+        placement = getattr(tensor, "_placement", None)
+        if placement is not None:
+            name = getattr(tensor, "name", None)
+            named = f" {name!r}" if name else ""
+            raise RuntimeError(f"{what}: tensor{named} holds one rank's block {tuple(tensor.data.shape)} of a "
+                               f"sharded tensor {placement}, but no parallel runtime is active on this thread "
+                               f"(was minidl_parallel.release() called?)")
+
+    # ---- agreement across ranks -------------------------------------------------------------
+
+    def sum_over_ranks(self, values):
+        """The element-wise sum over ranks of a 1-d float64 NumPy array (every rank must call)."""
+        return values
+
+    def agree(self, value):
+        """Rank 0's ``value`` (a bool or a small int), on every rank (every rank must call)."""
+        return value
+
+    # ---- installing ---------------------------------------------------------------------------
+
+    def __enter__(self):
+        self._previous = set_runtime(self, scope="thread")
+        return self
+
+    def __exit__(self, *exc):
+        set_runtime(self._previous, scope="thread")
+        return False
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {self.name}: rank {self.rank()} of {self.group_size()}>"
+
+
+LOCAL = Runtime()
+
+_process = {"runtime": None}
+_thread = threading.local()
+
+
+def get_runtime():
+    """The runtime active on this thread: its own, else the process's, else the local one."""
+    return getattr(_thread, "runtime", None) or _process["runtime"] or LOCAL
+
+
+def set_runtime(runtime, scope="process"):
+    """Installs ``runtime`` (None removes it) for this thread or for the process; returns the previous one.
+
+    Args:
+        runtime: a :class:`Runtime`, or None.
+        scope: "thread" (only the calling thread sees it) or "process" (every thread without
+            its own).
+    """
+    if runtime is not None and not isinstance(runtime, Runtime):
+        raise TypeError(f"set_runtime: runtime must be a minidl.runtime.Runtime or None, got "
+                        f"{type(runtime).__name__}")
+    if scope == "thread":
+        previous = getattr(_thread, "runtime", None)
+        _thread.runtime = runtime
+    elif scope == "process":
+        previous = _process["runtime"]
+        _process["runtime"] = runtime
+    else:
+        raise ValueError(f"set_runtime: scope must be 'thread' or 'process', got {scope!r}")
+    return previous

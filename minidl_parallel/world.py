@@ -1,0 +1,195 @@
+"""Joining and leaving the parallel world: ``init``, ``release`` and ``run_threads``.
+
+``init()`` makes this rank's communicator, wraps it with the auto-parallel settings in a
+:class:`~minidl_parallel.context.World`, and installs a
+:class:`~minidl_parallel.runtime.ParallelRuntime` around it: for the whole process (one rank
+per process under mpirun), or for the calling thread inside :func:`run_threads` (one rank per
+thread, for tests). ``release()`` removes it, and minidl runs single-device again.
+
+Under mpirun ``init`` also
+- installs a ``sys.excepthook`` that prints the failing rank's traceback and calls
+  ``MPI.COMM_WORLD.Abort(1)``, so one rank's exception ends the whole job at once instead
+  of leaving the others hanging in a collective (as ChainerMN's global_except_hook);
+- limits BLAS threads to ``max(1, cores // local ranks)`` through threadpoolctl when it is
+  installed (optional; skipped when OMP_NUM_THREADS is set), and minidl's intra-op threads
+  (``minidl.set_num_threads``) to the same unless MINIDL_NUM_THREADS is set, so 8 ranks on
+  a small machine do not thrash.
+"""
+import os
+import sys
+import traceback
+
+import minidl
+from minidl.runtime import get_runtime, set_runtime
+
+from . import context
+from .comm import BACKENDS, create_communicator
+from .comm.threads import run_ranks
+from .runtime import ParallelRuntime
+
+__all__ = ["init", "release", "run_threads"]
+
+_hooks = {"excepthook": None, "blas": None}
+
+
+def _default_backend():
+    from minidl.backend import get_device_target
+    if get_device_target() == "GPU":
+        return "nccl"
+    return "mpi" if context.launched_under_mpi() else "local"
+
+
+def _check_rank_args(rank, world_size):
+    for name, value, low in (("rank", rank, 0), ("world_size", world_size, 1)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            raise ValueError(f"init: {name} must be None or an int >= {low}, got {value!r}")
+    if rank is not None and world_size is not None and rank >= world_size:
+        raise ValueError(f"init: rank must be in [0, {world_size - 1}] for world_size={world_size}, got {rank}")
+
+
+def _check_world(comm, name, rank, world_size):
+    """Raises when the world built is not the one the caller stated."""
+    if world_size is not None and comm.size != world_size:
+        if comm.size == 1 and not context.launched_under_mpi():
+            raise RuntimeError(
+                f"init: world_size={world_size} was asked, but this process was not started by a launcher "
+                f"(no mpirun/mpiexec environment), so backend {name!r} can only build a world of one rank; "
+                f"start the {world_size} workers with `mpirun -n {world_size} python script.py`, or run ranks "
+                f"as threads with minidl_parallel.run_threads({world_size}, fn) in one process")
+        raise RuntimeError(f"init: world_size={world_size} was asked, but backend {name!r} built a world of "
+                           f"{comm.size} rank(s); launch {world_size} processes (mpirun -n {world_size}) or pass "
+                           f"world_size={comm.size}")
+    if rank is not None and comm.rank != rank:
+        raise RuntimeError(f"init: rank={rank} was asked, but backend {name!r} gave this process rank {comm.rank} "
+                           f"of {comm.size}; the launcher decides the ranks (pass rank=None, or the launcher's "
+                           f"rank)")
+
+
+def init(backend_name=None, *, rank=None, world_size=None):
+    """Joins the parallel world and returns its communicator.
+
+    Args:
+        backend_name: "nccl" (one GPU per process, under mpirun), "mpi" (NumPy arrays over
+            mpi4py), "threads" (inside run_threads: the thread's rank; elsewhere a world of
+            one), "local" (a world of one), or None: nccl when minidl's device target is GPU,
+            else mpi when launched by mpirun, else local.
+        rank, world_size: what the caller expects (SINGA's DistOpt passes them): when given,
+            a world that differs raises, naming what is missing, instead of training alone.
+
+    Calling it again with the same backend returns the same communicator.
+
+    Raises:
+        RuntimeError: the world built is not the stated one (e.g. ``world_size=2`` in a
+            process started without mpirun), or init already ran with another backend.
+    """
+    if backend_name is not None and backend_name not in BACKENDS:
+        raise ValueError(f"init: unknown backend_name {backend_name!r}; expected one of {BACKENDS} or None")
+    _check_rank_args(rank, world_size)
+    world = context.current_world()
+    if world.comm is not None:
+        if backend_name is not None and backend_name != world.backend:
+            raise RuntimeError(f"init: already initialised with backend {world.backend!r}; call release() before "
+                               f"init({backend_name!r})")
+        _check_world(world.comm, world.backend, rank, world_size)
+        return world.comm
+    name = backend_name or _default_backend()
+    comm = create_communicator(name)
+    try:
+        _check_world(comm, name, rank, world_size)
+    except RuntimeError:
+        comm.release()
+        raise
+    set_runtime(ParallelRuntime(context.World(comm, name, context.current_world().settings), scope="process"),
+                scope="process")
+    if name in ("mpi", "nccl"):
+        _install_except_hook(comm)
+        _limit_blas_threads(comm.local_size)
+    return comm
+
+
+def release():
+    """Leaves the parallel world: frees the communicator and removes the runtime init installed.
+
+    The auto-parallel settings stay (as MindSpore's context does) for a later ``init()``.
+    """
+    runtime = get_runtime()
+    world = getattr(runtime, "world", None)
+    if world is None:
+        return
+    world.comm.release()
+    set_runtime(None, scope=runtime.scope)
+    if runtime.scope == "process":
+        context.current_world().settings = dict(world.settings)
+        if _hooks["excepthook"] is not None and sys.excepthook is _hooks["excepthook"]:
+            sys.excepthook = sys.__excepthook__
+        _hooks["excepthook"] = None
+        if _hooks["blas"] is not None:
+            _hooks["blas"].restore_original_limits()
+            _hooks["blas"] = None
+
+
+def run_threads(n, fn, *args, timeout=300.0):
+    """Runs ``fn(*args)`` on n threads, each a rank of a threads-backend world; returns the results.
+
+    Inside each thread ``init("threads")`` has already run: the thread has its own parallel
+    runtime, so ``get_rank()``, ``get_group_size()`` and the auto-parallel context are that
+    thread's own, and minidl's ops, Models and checkpoints see that rank.
+
+    An exception in any rank aborts the others' pending collectives and is re-raised here,
+    with "rank r of n" prefixed to its message.
+
+    Args:
+        n: number of ranks (>= 1).
+        fn: the per-rank function.
+        timeout: seconds to wait for all ranks before raising TimeoutError.
+
+    Returns:
+        ``[fn result on rank 0, ..., on rank n - 1]``.
+
+    Example:
+        >>> run_threads(2, get_rank)
+        [0, 1]
+    """
+    def rank_main(comm):
+        set_runtime(ParallelRuntime(context.World(comm, "threads"), scope="thread"), scope="thread")
+        try:
+            return fn(*args)
+        finally:
+            set_runtime(None, scope="thread")
+
+    return run_ranks(n, rank_main, timeout=timeout)
+
+
+# ---- MPI job hygiene --------------------------------------------------------------------
+
+def _install_except_hook(comm):
+    from .comm.mpi import import_mpi
+    MPI = import_mpi()
+    if comm.size <= 1 or _hooks["excepthook"] is not None:
+        return
+
+    def global_except_hook(exctype, value, tb):
+        try:
+            sys.stderr.write(f"minidl_parallel: uncaught exception on rank {comm.rank} of {comm.size}; "
+                             f"aborting the MPI job\n")
+            traceback.print_exception(exctype, value, tb)
+            sys.stderr.flush()
+        finally:
+            MPI.COMM_WORLD.Abort(1)
+
+    _hooks["excepthook"] = global_except_hook
+    sys.excepthook = global_except_hook
+
+
+def _limit_blas_threads(local_size):
+    if local_size <= 1 or "OMP_NUM_THREADS" in os.environ or _hooks["blas"] is not None:
+        return
+    limit = max(1, (os.cpu_count() or 1) // local_size)
+    if "MINIDL_NUM_THREADS" not in os.environ:
+        # minidl's own intra-op threads (conv chunks, BatchNorm blocks) share the cores too.
+        minidl.set_num_threads(min(limit, minidl.get_num_threads()))
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return
+    _hooks["blas"] = threadpool_limits(limits=limit, user_api="blas")

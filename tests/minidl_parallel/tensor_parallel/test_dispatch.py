@@ -272,3 +272,35 @@ def test_cross_entropy_loss_refuses_blocks_instead_of_a_silently_wrong_loss():
     errors = _on_ranks(2, fn, mode="semi_auto_parallel")
     assert all(isinstance(e, ValueError) for e in errors), errors
     assert "cut across ranks" in str(errors[0]) and "SoftmaxCrossEntropyWithLogits" in str(errors[0])
+
+
+# ---- the public redistribute and sharded tensors ----------------------------------------------
+
+def test_public_redistribute_relabels_device_axes_of_a_sharded_tensor():
+    """[2, 2, 1] -> [2, 2] moves no data; the alias must keep the block's (local) shape."""
+    from minidl_parallel import Layout, redistribute
+    x = np.arange(32.0).reshape(8, 4)
+
+    def fn():
+        t = Tensor(x.copy(), requires_grad=True)
+        cut = redistribute(t, Layout((2, 2, 1), ((0,), (1,))))
+        relabelled = redistribute(cut, Layout((2, 2), ((0,), (1,))))
+        assert relabelled.shape == (8, 4) and relabelled.data.shape == (4, 2)
+        (relabelled * relabelled).sum().backward()
+        return np.array(full_value(relabelled)), str(relabelled._placement), np.array(t.grad.asnumpy())
+    for whole, layout, grad in _on_ranks(4, fn):
+        np.testing.assert_array_equal(whole, x)
+        assert layout == "(a, b) on [2, 2]"
+        np.testing.assert_array_equal(grad, 2 * x)
+
+
+def test_a_sharded_tensor_carries_its_global_shape_and_layout():
+    def fn():
+        net = FFN()
+        net.dense1.matmul.shard(((2, 2), (2, 1)))
+        out = net(_local_x(_data()[0]))
+        w = net.dense1.weight
+        return w.shape, w.data.shape, w.is_sharded, str(w._placement), w.detach().shape, out.is_sharded
+    for shape, local, sharded, layout, detached, out_sharded in _on_ranks(4, fn):
+        assert (shape, local, sharded, detached) == ((32, 16), (16, 16), True, (32, 16))
+        assert layout == "(b, -) on [2, 2, 1]"

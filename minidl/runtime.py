@@ -92,7 +92,7 @@ class Runtime:
 
     @staticmethod
     def _refuse_sharded(tensor, what):
-        placement = getattr(tensor, "_placement", None)
+        placement = getattr(tensor, "placement", None)
         if placement is not None:
             name = getattr(tensor, "name", None)
             named = f" {name!r}" if name else ""

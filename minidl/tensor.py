@@ -3,7 +3,7 @@
 A Tensor holds ``data`` (a numpy or cupy ndarray), ``requires_grad`` and, when an op that
 was being recorded produced it, ``_node``: the op instance that knows its inputs and how
 to send a gradient back to them (see minidl/ops/primitive.py). Under tensor parallelism
-``_placement`` says that ``data`` is one rank's block of a larger tensor: the parallel
+``placement`` says that ``data`` is one rank's block of a larger tensor: the parallel
 package sets it to an object with the global ``shape`` (and a readable ``str``); the core
 reads only that shape, so ``x.shape`` means the same on one device and on many, as in
 PyTorch's DTensor. Python operators
@@ -30,7 +30,7 @@ _grad_mode = threading.local()
 
 
 def _logical_shape(tensor):
-    placement = tensor._placement
+    placement = tensor.placement
     return tuple(tensor.data.shape) if placement is None else placement.shape
 
 
@@ -99,7 +99,7 @@ class Tensor:
         Tensor([[2., 4.], [6., 8.]], dtype=float32)
     """
 
-    __slots__ = ("data", "grad", "requires_grad", "_node", "_placement", "__weakref__")
+    __slots__ = ("data", "grad", "requires_grad", "_node", "placement", "__weakref__")
     __array_priority__ = 1000  # numpy scalars and arrays defer to our operators
 
     def __init__(self, data, dtype=None, requires_grad=False):
@@ -109,7 +109,7 @@ class Tensor:
         self.grad = None
         self.requires_grad = bool(requires_grad)
         self._node = None
-        self._placement = None
+        self.placement = None
 
     @classmethod
     def _wrap(cls, array, node=None):
@@ -119,17 +119,19 @@ class Tensor:
         t.grad = None
         t.requires_grad = node is not None
         t._node = node
-        t._placement = None
+        t.placement = None
         return t
 
     shape = property(_logical_shape, doc="The shape, as a tuple: the global shape of a sharded tensor "
                                          "(``data.shape`` is then this rank's block).")
-    is_sharded = property(lambda self: self._placement is not None,
+    is_sharded = property(lambda self: self.placement is not None,
                           doc="True when ``data`` is one rank's block of a larger tensor (tensor parallelism).")
     dtype = property(lambda self: self.data.dtype, doc="The numpy dtype.")
     ndim = property(lambda self: self.data.ndim, doc="Number of dimensions.")
     size = property(lambda self: math.prod(self.shape), doc="Number of elements.")
     is_leaf = property(lambda self: self._node is None, doc="True when no recorded op made it.")
+    grad_fn = property(lambda self: self._node, doc="The recorded op instance that made it (None for a leaf); "
+                                                      "its ``backward`` sends gradients to its inputs.")
 
     def asnumpy(self):
         """The values as a NumPy array (copied from the GPU when needed)."""
@@ -146,7 +148,7 @@ class Tensor:
     def detach(self):
         """The same data (and placement), cut from the graph."""
         t = Tensor._wrap(self.data)
-        t._placement = self._placement
+        t.placement = self.placement
         return t
 
     def astype(self, dtype):

@@ -194,7 +194,7 @@ class DistributedGradReducer:
                 given = state["grads"][i]
                 if given is not None and given.dtype != g.dtype:
                     g = g.astype(given.dtype)
-                out[i] = Tensor._wrap(g)
+                out[i] = Tensor(g)
             bucket.buffer = None  # the returned gradients are views of it
         self._pending = None
         return tuple(out)

@@ -104,7 +104,7 @@ def save_checkpoint(save_obj, ckpt_file_name, append_dict=None, choice_func=None
                          f"or integrated_save=False to save this rank's blocks")
     for name, value in chosen:
         if isinstance(value, Tensor) and value.is_sharded:
-            metadata[f"layout.{name}"] = str(value._placement)
+            metadata[f"layout.{name}"] = str(value.placement)
             if integrated_save:
                 value = get_runtime().full_value(value)  # a collective: every rank saves together
             else:

@@ -205,7 +205,7 @@ def _run_sharded(prim, args, comm, settings, device_num):
             if i in positions:
                 if value is not old:
                     assert not local_args[i].requires_grad, "localize may only rewrite tensors without gradient"
-                    local_args[i] = Tensor._wrap(value)
+                    local_args[i] = Tensor(value)
             else:
                 local_args[i] = value
     op = prim
@@ -216,8 +216,8 @@ def _run_sharded(prim, args, comm, settings, device_num):
         op = copy.copy(prim)
         op.__dict__.update(attrs)
     out = op.apply(*local_args)
-    if out._node is not None:
-        _wrap_backward(out._node, sharding, positions, comm)
+    if out.grad_fn is not None:
+        _wrap_backward(out.grad_fn, sharding, positions, comm)
     set_layout(out, sharding.out_layout, sharding.out_layout.global_shape(tuple(out.shape)))
     if record is not None:
         record.operator(_who(prim), strategy, origin, sharding, moves, get_layout(out)[1], tuple(out.data.shape))

@@ -23,7 +23,7 @@ __all__ = ["place_parameter", "whole", "block_of", "follow"]
 
 def place_parameter(param, layout, shape, rank, who):
     """Makes ``param`` hold its block of ``layout`` (first use) or checks it already does."""
-    placement = param._placement
+    placement = param.placement
     if placement is None:
         if tuple(param.shape) != tuple(shape):
             raise ValueError(f"{who}: parameter {param.name!r} has shape {tuple(param.shape)}, expected the whole "

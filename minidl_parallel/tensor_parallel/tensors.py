@@ -1,6 +1,6 @@
 """A sharded tensor carries its layout: the Placement stored on the Tensor itself.
 
-A Tensor made by a sharded operator holds this rank's block; its ``_placement`` (a field of
+A Tensor made by a sharded operator holds this rank's block; its ``placement`` (a field of
 minidl's Tensor, which the core reads only for the global ``shape``) is a :class:`Placement`:
 the Layout and the global shape. So ``x.shape`` is the global shape and ``x.data.shape`` the
 block's, both explicit, as in PyTorch's DTensor. A Tensor without a placement is whole on
@@ -32,12 +32,12 @@ class Placement:
 
 def set_layout(tensor, layout, shape, placed_by=None):
     """Records on ``tensor`` that it holds its rank's block of a ``shape`` tensor laid out as ``layout``."""
-    tensor._placement = Placement(layout, tuple(shape), placed_by)
+    tensor.placement = Placement(layout, tuple(shape), placed_by)
 
 
 def get_layout(tensor):
     """(layout, global shape) of ``tensor``, or None when it is whole."""
-    placement = tensor._placement
+    placement = tensor.placement
     return None if placement is None else (placement.layout, placement.shape)
 
 
@@ -56,7 +56,7 @@ def tag_input(tensor, dataset_strategy, device_num):
     along dimension 0); "full_batch": every rank was fed the whole batch, and the operators
     slice it as they need.
     """
-    if tensor._placement is not None:
+    if tensor.placement is not None:
         return
     if dataset_strategy == "data_parallel" and tensor.ndim > 0:
         layout = Layout.batch_split(tensor.ndim, device_num)

@@ -74,7 +74,7 @@ class _Placement:
 def test_the_local_runtime_refuses_a_block_of_a_sharded_tensor():
     """After release() a sharded parameter cannot be saved as if it were whole: never silently wrong."""
     p = Parameter(np.zeros((4, 4)), name="w")
-    p._placement = _Placement()
+    p.placement = _Placement()
     assert p.shape == (8, 4) and p.data.shape == (4, 4) and p.is_sharded and p.size == 32
     with pytest.raises(RuntimeError, match=r"full_value: tensor 'w' holds one rank's block \(4, 4\) of a sharded "
                                            r"tensor \(a, -\) on \[2\], but no parallel runtime is active"):

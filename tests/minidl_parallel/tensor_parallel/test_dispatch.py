@@ -287,7 +287,7 @@ def test_public_redistribute_relabels_device_axes_of_a_sharded_tensor():
         relabelled = redistribute(cut, Layout((2, 2), ((0,), (1,))))
         assert relabelled.shape == (8, 4) and relabelled.data.shape == (4, 2)
         (relabelled * relabelled).sum().backward()
-        return np.array(full_value(relabelled)), str(relabelled._placement), np.array(t.grad.asnumpy())
+        return np.array(full_value(relabelled)), str(relabelled.placement), np.array(t.grad.asnumpy())
     for whole, layout, grad in _on_ranks(4, fn):
         np.testing.assert_array_equal(whole, x)
         assert layout == "(a, b) on [2, 2]"
@@ -300,7 +300,7 @@ def test_a_sharded_tensor_carries_its_global_shape_and_layout():
         net.dense1.matmul.shard(((2, 2), (2, 1)))
         out = net(_local_x(_data()[0]))
         w = net.dense1.weight
-        return w.shape, w.data.shape, w.is_sharded, str(w._placement), w.detach().shape, out.is_sharded
+        return w.shape, w.data.shape, w.is_sharded, str(w.placement), w.detach().shape, out.is_sharded
     for shape, local, sharded, layout, detached, out_sharded in _on_ranks(4, fn):
         assert (shape, local, sharded, detached) == ((32, 16), (16, 16), True, (32, 16))
         assert layout == "(b, -) on [2, 2, 1]"

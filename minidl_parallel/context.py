@@ -134,10 +134,17 @@ def set_auto_parallel_context(**kwargs):
     """Sets parallel_mode, gradients_mean, parameter_broadcast, device_num, global_rank,
     dataset_strategy and/or search_mode.
 
-    SEMI_AUTO_PARALLEL and AUTO_PARALLEL turn on operator-level tensor parallelism (see
-    minidl_parallel.tensor_parallel): ``dataset_strategy`` "data_parallel" (each rank feeds
-    its slice of the batch; the default) or "full_batch" (every rank feeds the whole batch);
+SEMI_AUTO_PARALLEL and AUTO_PARALLEL turn on operator-level tensor parallelism (see
+    minidl_parallel.tensor_parallel). ``dataset_strategy`` says what each rank's network is
+    fed: "data_parallel" (the default): its slice of the global batch, global = local x ranks
+    along dimension 0 (the script shards its dataset, ``num_shards=get_group_size(),
+    shard_id=get_rank()``; the framework neither shards nor slices it); "full_batch": the
+    whole batch on every rank, and the framework slices it, as MindSpore does.
     ``search_mode`` "sharding_propagation" (AUTO: ops without a strategy follow their inputs).
+
+    Settings are read when they are used (each op call, each ``Model.train``), so they may be
+    set before or after ``init()`` and after a Model was built. Datasets are never sharded
+    implicitly.
 
     Example:
         >>> set_auto_parallel_context(parallel_mode=ParallelMode.DATA_PARALLEL, gradients_mean=True)

@@ -13,7 +13,7 @@ BACKENDS = ("nccl", "mpi", "threads", "local")
 def create_communicator(name, **kwargs):
     """The world communicator of backend ``name`` ("nccl", "mpi", "threads" or "local").
 
-    Worlds of several thread-ranks are made by :func:`minidl_parallel.comm.threads.run_threads`
+    Worlds of several thread-ranks are made by :func:`minidl_parallel.run_threads`
     (which starts the threads); here "threads" gives a threads world of one.
 
     Args:

@@ -2,7 +2,8 @@
 
 With plain ``BatchNorm2d`` each rank normalises with its own batch's statistics, so a
 data-parallel net is NOT the single-process net on the global batch (MindSpore and PyTorch
-behave so too). SyncBatchNorm makes it so:
+behave so too). SyncBatchNorm makes it so, with ``ops.BatchNorm`` itself: its op changes only
+``BatchNorm.sum_over_batch``, the one seam through which every per-channel sum passes:
 
 - forward all-reduces the per-channel sums and counts (mean), then the per-channel sums of
   centred squares (variance, two passes as the local op does, for float32 accuracy);
@@ -20,15 +21,18 @@ Example:
     >>> from minidl_parallel.sync_batchnorm import SyncBatchNorm
     >>> net = nn.SequentialCell(nn.Conv2d(3, 8, 3), SyncBatchNorm(8), nn.ReLU())
 """
-from minidl.backend import get_array_module
 from minidl.nn import BatchNorm2d
-from minidl.ops.norm import BatchNorm, _channel_sum
+from minidl.ops import BatchNorm
 
 from .collectives import resolve_communicator
 
 
 class SyncBatchNormOp(BatchNorm):
     """``ops.BatchNorm(is_training=True)`` with statistics and backward sums over a group's ranks.
+
+    Everything is BatchNorm's but :meth:`sum_over_batch`, its seam for the per-channel sums:
+    here they are all-reduced over the group (2 all-reduces forward, 1 backward, every rank
+    alike).
 
     Args:
         epsilon, momentum, data_format: as ops.BatchNorm (momentum weighs the NEW statistic).
@@ -39,52 +43,9 @@ class SyncBatchNormOp(BatchNorm):
         super().__init__(True, epsilon, momentum, data_format)
         self.group = group
 
-    def forward(self, x, scale, bias, mean, variance):
-        axis, channels = self._check(x, scale, bias, mean, variance)
-        comm = resolve_communicator("SyncBatchNorm", self.group)
-        xp = get_array_module(x)
-        dtype = x.dtype
-        self.axis = axis
-        self.kept = tuple(channels if i == axis else 1 for i in range(x.ndim))
-        self.scale_dtype, self.bias_dtype = scale.dtype, bias.dtype
-        self.scale = scale.astype(dtype, copy=False).reshape(self.kept)
-        bias = bias.astype(dtype, copy=False).reshape(self.kept)
-
-        # float16 would round the count (and overflow the sums) past 2048 values per channel.
-        acc = dtype if dtype.itemsize >= 4 else xp.dtype(xp.float32)
-        local = xp.empty(channels + 1, dtype=acc)
-        local[:channels] = _channel_sum(xp, axis, x)
-        local[channels] = x.size // max(channels, 1)
-        total = comm.allreduce(local, "sum")
-        count = int(round(float(total[channels])))
-        if count < 2:
-            raise ValueError(f"SyncBatchNorm: expected more than 1 value per channel over all ranks when "
-                             f"training, got {count} (input of shape {tuple(x.shape)} on this rank)")
-        self.count = count
-        batch_mean = (total[:channels] / count).astype(dtype, copy=False).reshape(self.kept)
-        xc = x - batch_mean
-        batch_var = comm.allreduce(_channel_sum(xp, axis, xc, xc), "sum").reshape(self.kept)
-        batch_var /= count
-        return self._normalize(xc, batch_mean, batch_var, bias, mean, variance, count)
-
-    def backward(self, gy):
-        xp = get_array_module(gy)
-        need_x, need_scale, need_bias = self.needs_grad[:3]
-        xc, axis, inv_std = self.xc, self.axis, self.inv_std
-        channels = inv_std.size
-        # Local sums: the gradients of gamma and beta on this rank's outputs.
-        local = xp.empty(2 * channels, dtype=gy.dtype)
-        local[:channels] = _channel_sum(xp, axis, gy, xc) * inv_std.reshape(channels)  # sum(gy * xhat)
-        local[channels:] = _channel_sum(xp, axis, gy)  # sum(gy)
-        gscale_local, gbias_local = local[:channels].copy(), local[channels:].copy()
-        gx = None
-        # Every rank must join the all-reduce even where x needs no gradient on it.
-        total = resolve_communicator("SyncBatchNorm", self.group).allreduce(local, "sum")
-        if need_x:
-            gx = self._input_gradient(gy, total[:channels].reshape(self.kept), total[channels:].reshape(self.kept))
-        gscale = self._cast(gscale_local, self.scale_dtype) if need_scale else None
-        gbias = self._cast(gbias_local, self.bias_dtype) if need_bias else None
-        return gx, gscale, gbias, None, None
+    def sum_over_batch(self, sums):
+        """The per-channel sums of every rank of the group (one all-reduce)."""
+        return resolve_communicator("SyncBatchNorm", self.group).allreduce(sums, "sum")
 
 
 class SyncBatchNorm(BatchNorm2d):

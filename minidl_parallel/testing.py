@@ -212,10 +212,23 @@ def compare_runs(got, ref, rtol=1e-10, atol=1e-12, relative_to_max=False):
     With ``relative_to_max`` (float32) an element may also differ by ``rtol`` times the largest
     magnitude of its array: sums taken in another order round differently, by about the
     unit roundoff of the largest terms, not of each result.
+
+    A reference that is not finite (an overflow, a NaN) proves nothing: an infinite reference
+    would make that tolerance infinite, and ``assert_allclose`` counts matching infs and NaNs
+    as equal. Such an example is rejected: ``hypothesis.assume(False)`` inside a hypothesis
+    test (it draws another), a ValueError otherwise.
     """
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if not (np.isfinite(value) and value >= 0):
+            raise ValueError(f"compare_runs: {name} must be a finite number >= 0, got {value!r}")
+
     def close(a, b, what):
         b = np.asarray(b)
+        _require_finite(b, what)
         tol = max(atol, rtol * float(np.abs(b).max())) if relative_to_max and b.size else atol
+        if not np.isfinite(tol):  # a finite reference and rtol: only rtol * max|reference| can overflow
+            raise ValueError(f"compare_runs: the tolerance of the {what}, rtol {rtol} times its largest magnitude, "
+                             f"overflows")
         np.testing.assert_allclose(a, b, rtol=rtol, atol=tol, err_msg=what)
     close(got["losses"], ref["losses"], "losses")
     close(got["output"], ref["output"], "output")
@@ -223,3 +236,19 @@ def compare_runs(got, ref, rtol=1e-10, atol=1e-12, relative_to_max=False):
     for name in ref["grads"]:
         close(got["grads"][name], ref["grads"][name], f"gradient of {name}")
         close(got["params"][name], ref["params"][name], f"parameter {name} after the steps")
+
+
+def _require_finite(ref, what):
+    """Rejects a reference with an inf or a NaN (see compare_runs)."""
+    if np.isfinite(ref).all():
+        return
+    bad = int(ref.size - np.count_nonzero(np.isfinite(ref)))
+    message = (f"compare_runs: the single-device {what} is not finite ({bad} of {ref.size} values are inf or NaN); "
+               f"a reference that overflowed cannot judge the parallel run")
+    try:
+        import hypothesis  # a test dependency: imported only here
+    except ImportError:
+        raise ValueError(message) from None
+    if hypothesis.currently_in_test_context():
+        hypothesis.assume(False)  # hypothesis drops this example and draws another
+    raise ValueError(message)

@@ -10,6 +10,11 @@ that must exist anyway (the saved centred input and the output) and stay in the 
 dtype. Per-channel sums go through ``einsum`` (``_channel_sum``): on NCHW float32 it
 measured 3.5x faster than ``sum(axis=(0, 2, 3))``, and its two-operand form sums a product
 without writing the product out (2x faster than multiply, then sum).
+
+Every per-channel sum over the batch (statistics forward, the input gradient's sums
+backward) passes through one method, ``BatchNorm.sum_over_batch``, the identity here.
+minidl_parallel's SyncBatchNormOp overrides only that method to all-reduce the sums over
+its ranks, so synchronised BatchNorm is this body, not a copy of it.
 """
 import numpy
 
@@ -96,6 +101,7 @@ class BatchNorm(Primitive):
     """
 
     n_inputs = 5
+    n_tensor_inputs = (3, 5)  # a strategy's tuples: mean and variance may be None in training
 
     def __init__(self, is_training=False, epsilon=1e-5, momentum=0.1, data_format="NCHW"):
         super().__init__()
@@ -141,7 +147,6 @@ class BatchNorm(Primitive):
         bias = bias.astype(dtype, copy=False).reshape(self.kept)
         self.scale = scale
         self.axis = axis
-        self.count = x.size // max(channels, 1)
         if not self.is_training:
             mu = mean.astype(dtype, copy=False).reshape(self.kept)
             self.inv_std = 1.0 / xp.sqrt(variance.astype(dtype, copy=False).reshape(self.kept) + self.epsilon)
@@ -151,32 +156,58 @@ class BatchNorm(Primitive):
             y += bias - mu * k
             return y
 
-        if self.count < 2:
-            raise ValueError(f"{self.name}: expected more than 1 value per channel when training, got input "
-                             f"of shape {tuple(x.shape)} (the batch variance is undefined)")
-        inv_count = 1.0 / self.count
-        batch_mean = _channel_sum(xp, axis, x).reshape(self.kept)
-        batch_mean *= inv_count
+        # The sums and the count travel in one vector, so that a synchronised op adds both in one
+        # all-reduce. float16 would round the count (and overflow the sums) past 2048 values per
+        # channel, so they are float32 there.
+        count = x.size // max(channels, 1)
+        local = xp.empty(channels + 1, dtype=dtype if dtype.itemsize >= 4 else xp.dtype(xp.float32))
+        local[:channels] = _channel_sum(xp, axis, x)
+        local[channels] = count
+        total = self.sum_over_batch(local)
+        if total is not local:  # summed over other blocks too: the count is theirs as well
+            count = int(round(float(total[channels])))
+        if count < 2:
+            got = f"input of shape {tuple(x.shape)}"
+            if total is not local:
+                got = f"{count} over the ranks of its group, {got} on this rank"
+            raise ValueError(f"{self.name}: expected more than 1 value per channel when training, got {got} "
+                             f"(the batch variance is undefined)")
+        self.count = count
+        batch_mean = (total[:channels] / count).astype(dtype, copy=False).reshape(self.kept)
         # NOTE: the centred x is saved instead of xhat = xc * inv_std: backward folds inv_std into
         # its per-channel factors, which saves a full pass here at no cost there.
         xc = xp.empty_like(x)
         mean_row = _per_channel(xp, batch_mean, x, axis)
         intra_op.map_rows(xp, x, lambda i, j: xp.subtract(x[i:j], mean_row, out=xc[i:j]))
         # Two-pass variance (mean of centred squares): E[x^2] - E[x]^2 cancels badly in float32.
-        batch_var = _channel_sum(xp, axis, xc, xc).reshape(self.kept)
-        batch_var *= inv_count
-        return self._normalize(xc, batch_mean, batch_var, bias, mean, variance, self.count)
-
-    def _normalize(self, xc, batch_mean, batch_var, bias, mean, variance, count):
-        """Training output ``xc * scale / std + bias`` (saving what backward needs), and the
-        running statistics' update. Shared with minidl_parallel's SyncBatchNorm, whose
-        batch statistics (and ``count``) span all ranks."""
-        xp = get_array_module(xc)
+        batch_var = self.sum_over_batch(_channel_sum(xp, axis, xc, xc)).reshape(self.kept)
+        batch_var /= count
         self.inv_std = 1.0 / xp.sqrt(batch_var + self.epsilon)
         self.xc = xc
-        y = _affine(xp, xc, self.scale * self.inv_std, bias, axis=self.axis)
+        y = _affine(xp, xc, self.scale * self.inv_std, bias, axis=axis)
         self._update_running(mean, variance, batch_mean, batch_var, count)
         return y
+
+    def sum_over_batch(self, sums):
+        """The per-channel ``sums`` of this call's block, summed over the whole batch.
+
+        Here a call holds its whole batch, so they are returned as they are (the same array).
+        This is the one seam of synchronised BatchNorm: minidl_parallel's SyncBatchNormOp
+        overrides it with an all-reduce over the ranks of its group, and everything else
+        (two-pass statistics, running update, gradients) is this class's. Training calls it
+        three times, on every rank alike: forward with the sums and the count (C + 1 values),
+        then with the sums of centred squares (C); backward with ``sum(gy * xhat)`` and
+        ``sum(gy)`` (2C), even where x needs no gradient.
+
+        Args:
+            sums: a 1-d array of per-channel sums (and counts).
+
+        Returns:
+            The sums over the whole batch, same shape and dtype: ``sums`` itself, or a new array
+            that leaves ``sums`` as it was (backward returns this block's part of it as the
+            gradients of scale and bias).
+        """
+        return sums
 
     def _update_running(self, mean, variance, batch_mean, batch_var, count):
         """Folds the batch statistics into the running ones, in place (none when mean is None)."""
@@ -200,20 +231,23 @@ class BatchNorm(Primitive):
             return gx, self._cast(gscale, self.scale_dtype), self._cast(gbias, self.bias_dtype), None, None
 
         xc, axis = self.xc, self.axis
-        gscale = _channel_sum(xp, axis, gy, xc).reshape(self.kept)
-        gscale *= inv_std  # sum(gy * xhat)
-        gbias = _channel_sum(xp, axis, gy).reshape(self.kept)
+        channels = inv_std.size
+        # This block's sum(gy * xhat) and sum(gy): the gradients of scale and bias on its outputs
+        # (a data-parallel grad reducer or the sharding dispatcher adds the other blocks').
+        local = xp.empty(2 * channels, dtype=gy.dtype)
+        local[:channels] = _channel_sum(xp, axis, gy, xc) * inv_std.reshape(channels)
+        local[channels:] = _channel_sum(xp, axis, gy)
+        total = self.sum_over_batch(local)  # gx needs the whole batch's
         gx = None
         if need_x:
-            gx = self._input_gradient(gy, gscale, gbias)
-        channels = gscale.size
-        gscale = gscale.reshape(channels) if need_scale else None
-        gbias = gbias.reshape(channels) if need_bias else None
-        return gx, self._cast(gscale, self.scale_dtype), self._cast(gbias, self.bias_dtype), None, None
+            gx = self._input_gradient(gy, total[:channels].reshape(self.kept), total[channels:].reshape(self.kept))
+        gscale = self._cast(local[:channels], self.scale_dtype) if need_scale else None
+        gbias = self._cast(local[channels:], self.bias_dtype) if need_bias else None
+        return gx, gscale, gbias, None, None
 
     def _input_gradient(self, gy, gscale, gbias):
-        """Training gx from the per-channel sums ``gscale = sum(gy * xhat)``, ``gbias = sum(gy)``
-        (over all ranks for SyncBatchNorm, which shares this).
+        """Training gx from the whole batch's per-channel sums ``gscale = sum(gy * xhat)``,
+        ``gbias = sum(gy)``.
 
         gx = scale * inv_std / M * (M * gy - sum(gy) - xhat * sum(gy * xhat)), built in one
         buffer with xhat = xc * inv_std folded into the per-channel factor.

@@ -48,6 +48,7 @@ class BatchNormReLU(BatchNorm):
     """
 
     n_inputs = (5, 6)
+    n_tensor_inputs = (3, 6)  # a strategy's tuples: mean and variance may be None, the residual absent
 
     def __init__(self, is_training=False, epsilon=1e-5, momentum=0.1):
         super().__init__(is_training, epsilon, momentum, "NCHW")

@@ -33,7 +33,7 @@ from .layout import Layout
 from .parameters import place_parameter
 from .redistribution import comm_bytes, plan_redistribution
 from .rules import Decomposed, StrategyError, TensorSpec, get_rule
-from .rules.base import NoRuleError
+from .rules.base import NoRuleError, Site
 from .tensors import get_layout, layout_of, set_layout, tag_input
 
 __all__ = ["run_op", "run_cell", "active_context", "groups", "redistribute", "group_along", "full_value",
@@ -211,7 +211,7 @@ def _run_sharded(prim, args, comm, settings, device_num):
     op = prim
     attrs = sharding.local_attrs
     if callable(attrs):
-        attrs = attrs(sharding.out_layout.coords(rank))
+        attrs = attrs(Site(sharding.out_layout.coords(rank), group_along))
     if attrs:
         op = copy.copy(prim)
         op.__dict__.update(attrs)

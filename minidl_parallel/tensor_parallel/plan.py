@@ -2,8 +2,10 @@
 
 The planner (redistribution.py) makes plans, the executor (executor.py) runs them; a plan
 itself only says what moves: printable, hashable, comparable, testable without
-communicating. The seven kinds of steps and the bytes one rank sends for each
-(``in`` = its block's bytes, ``g`` = the group size, nccl-tests conventions):
+communicating. The planner makes each plan together with its adjoint (the way a gradient
+goes back), so this module needs nothing from it. The seven kinds of steps and the bytes
+one rank sends for each (``in`` = its block's bytes, ``g`` = the group size, nccl-tests
+conventions):
 
     slice           local      0                  R    -> S(d)
     allgather       ring       (g-1) * in         S(d) -> R
@@ -13,7 +15,7 @@ communicating. The seven kinds of steps and the bytes one rank sends for each
     zero_partial    local      0                  R    -> P
     relabel         none       0                  same blocks, another device matrix
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 
 from .layout import Layout, axis_name
@@ -120,13 +122,18 @@ class Step:
 
 @dataclass(frozen=True)
 class Plan:
-    """How a tensor of global ``shape`` moves from layout ``src`` to ``dst``: ``steps`` in order."""
+    """How a tensor of global ``shape`` moves from layout ``src`` to ``dst``: ``steps`` in order.
+
+    ``back`` is the adjoint plan (see :meth:`adjoint`), made by the planner with this one; an
+    adjoint has none itself. It takes no part in comparisons.
+    """
 
     src: Layout
     dst: Layout
     shape: tuple
     steps: tuple = ()
     itemsize: int = 4
+    back: object = field(default=None, compare=False, repr=False)
 
     @property
     def bytes_per_rank(self):
@@ -143,10 +150,16 @@ class Plan:
         return any(s.kind != "relabel" for s in self.steps)
 
     def adjoint(self):
-        """The plan a gradient takes back: ``dst`` to ``src``, both without partial axes."""
-        from .redistribution import plan_redistribution  # the planner imports this module
-        return plan_redistribution(self.dst.without_partial(), self.src.without_partial(), self.shape,
-                                   self.itemsize)
+        """The plan a gradient takes back: ``dst`` to ``src``, both without partial axes.
+
+        A gradient of a tensor of layout L has layout ``L.without_partial()``, so the gradient of
+        the moved tensor goes from ``dst.without_partial()`` to ``src.without_partial()``.
+        """
+        if self.back is None:
+            raise ValueError(f"Plan.adjoint: the plan {self.src} -> {self.dst} has no adjoint: it is an adjoint "
+                             f"itself (redistributions are differentiated once) or was not made by "
+                             f"plan_redistribution")
+        return self.back
 
     def short(self):
         """The steps on one line: ``allreduce(b), slice(1:b)`` (``no-op`` when empty)."""

@@ -447,9 +447,18 @@ def plan_redistribution(src, dst, shape, itemsize=4):
 
 @lru_cache(maxsize=4096)
 def _plan(src, dst, shape, itemsize):
+    """The plan, with its adjoint: the gradient's way back, ``dst`` to ``src`` without partial axes."""
+    steps = _steps(src, dst, shape, itemsize)
+    back_src, back_dst = dst.without_partial(), src.without_partial()
+    back = Plan(back_src, back_dst, shape, _steps(back_src, back_dst, shape, itemsize), itemsize)
+    return Plan(src, dst, shape, steps, itemsize, back)
+
+
+@lru_cache(maxsize=4096)
+def _steps(src, dst, shape, itemsize):
     _check(src, dst, shape, "plan_redistribution")
     if src == dst:
-        return Plan(src, dst, shape, (), itemsize)
+        return ()
     naive = _naive_steps(src, dst, shape, itemsize)
     bounds = _atom_bounds(src.device_matrix, dst.device_matrix)
     best = naive
@@ -457,7 +466,7 @@ def _plan(src, dst, shape, itemsize):
         smart = _smart_steps(src, dst, shape, itemsize, bounds)
         if smart.cost <= naive.cost:
             best = smart
-    return Plan(src, dst, shape, tuple(best.steps), itemsize)
+    return tuple(best.steps)
 
 
 def naive_bytes(src, dst, shape, itemsize=4):

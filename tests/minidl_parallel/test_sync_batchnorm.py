@@ -99,7 +99,8 @@ def test_needs_two_values_per_channel_over_all_ranks():
         bn.set_train(True)
         bn(Tensor(np.ones((1, 2, 1, 1))))
 
-    with pytest.raises(ValueError, match="SyncBatchNorm: expected more than 1 value per channel over all ranks"):
+    with pytest.raises(ValueError, match=r"SyncBatchNormOp: expected more than 1 value per channel when training, got "
+                                         r"1 over the ranks of its group, input of shape \(1, 2, 1, 1\) on this rank"):
         run_threads(1, body)
     run_threads(2, body)  # one value per rank, two over the world: fine
 
@@ -135,3 +136,12 @@ def test_rejects_bad_groups():
         bn(Tensor(np.ones((2, 2, 1, 1), np.float32)))
     with pytest.raises(ValueError, match="SyncBatchNorm: rank 1 is in none of process_groups"):
         run_threads(2, outside)
+
+
+def test_the_op_is_batchnorm_with_only_its_sums_changed():
+    """BatchNorm exists once: SyncBatchNormOp keeps its forward and backward and changes the seam."""
+    from minidl import ops
+    from minidl_parallel.sync_batchnorm import SyncBatchNormOp
+    own = {name for name in vars(SyncBatchNormOp) if not (name.startswith("__") and name.endswith("__"))}
+    assert own == {"sum_over_batch"}
+    assert SyncBatchNormOp.forward is ops.BatchNorm.forward and SyncBatchNormOp.backward is ops.BatchNorm.backward

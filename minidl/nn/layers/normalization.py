@@ -55,8 +55,9 @@ class _BatchNorm(Cell):
 
         The ResNet blocks call it: the fused op keeps no intermediate activation and makes fewer
         passes over it than BatchNorm, Add and ReLU one after another. Subclasses with their own BatchNorm
-        op (SyncBatchNorm) get the separate ops, with the same result; under tensor parallelism the
-        fused op's sharding rule runs it as the separate ops.
+        op (SyncBatchNorm) get the separate ops, with the same result. Under tensor parallelism the
+        fused op's sharding rule runs it on each rank's block, or, in training with the batch cut,
+        as the separate ops, so that BatchNorm's statistics cover the whole batch.
 
         Example:
             >>> out = self.bn2.with_relu(self.conv2(out), identity)   # end of a residual block

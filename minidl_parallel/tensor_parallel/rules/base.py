@@ -1,6 +1,7 @@
 """What a sharding rule is, and the helpers every rule shares.
 
-A rule knows, for one primitive (looked up by class name), how a strategy turns into layouts:
+A rule knows, for one primitive class (looked up by the exact class: a subclass computes
+something else, so it has its own rule or none), how a strategy turns into layouts:
 
     rule.infer(prim, args, strategy, device_num)  -> OpSharding or Decomposed
     rule.data_parallel(prim, args, device_num)     -> strategy   (SEMI_AUTO: ops without one)
@@ -20,8 +21,9 @@ from math import prod
 
 from ..layout import Layout
 
-__all__ = ["TensorSpec", "OpSharding", "Decomposed", "StrategyError", "NoRuleError", "Rule", "RULES", "register",
-           "get_rule", "device_matrix_for", "tensor_specs", "check_counts", "check_strategy_shape", "largest_cut"]
+__all__ = ["TensorSpec", "OpSharding", "Decomposed", "Site", "StrategyError", "NoRuleError", "Rule", "RULES",
+           "register", "get_rule", "device_matrix_for", "tensor_specs", "check_counts", "check_strategy_shape",
+           "largest_cut"]
 
 
 class StrategyError(ValueError):
@@ -66,8 +68,10 @@ class OpSharding:
             class block). Must not change tensor positions' shapes.
         local_attrs: attributes to override on the primitive for the local call (Conv2D's
             out_channel becomes the local number of output channels), or None; or a callable
-            ``local_attrs(coords) -> dict`` when they depend on this rank's coordinates in the
-            device matrix (Dropout's window of the whole mask).
+            ``local_attrs(site) -> dict`` when they depend on where this rank runs the call: its
+            coordinates in the device matrix (Dropout's window of the whole mask) or the
+            communicator of a group of ranks (SyncBatchNormOp's statistics group); see
+            :class:`Site`.
     """
 
     strategy: tuple
@@ -96,6 +100,28 @@ class Decomposed:
     description: str = ""
 
 
+@dataclass(frozen=True)
+class Site:
+    """Where this rank runs one sharded call: what a callable ``OpSharding.local_attrs`` is given.
+
+    The dispatcher makes it for each call, so a rule can reach a communicator without importing
+    the dispatcher (rule modules never do).
+
+    Attributes:
+        coords: this rank's coordinates in the call's device matrix (``out_layout.coords(rank)``).
+        group: ``group(layout, axes)`` -> the communicator of this rank and the ranks that differ
+            from it only along device ``axes`` of ``layout`` (its collectives are counted by
+            CommCounter), or None when that group is this rank alone.
+
+    Example:
+        >>> def local_attrs(site):      # BatchNorm's statistics over the other batch blocks
+        ...     return {"group": site.group(x_layout, (batch_axis,))}
+    """
+
+    coords: tuple
+    group: object = field(compare=False)
+
+
 class Rule:
     """Base of sharding rules; subclasses override ``infer`` and usually the other two."""
 
@@ -118,27 +144,42 @@ class Rule:
         return tuple(lay.cuts() for lay in layouts)
 
 
-RULES = {}
+RULES = {}  # primitive class -> its rule (an instance)
 
 
-def register(*names):
-    """Class decorator: ``@register("MatMul")`` makes an instance the rule of those primitives."""
+def register(*classes):
+    """Class decorator: ``@register(ops.MatMul)`` makes an instance the rule of exactly those classes.
+
+    A subclass does not inherit its base's rule: it computes something else (BatchNormReLU is
+    not BatchNorm), and a rule that would run it as its base would be silently wrong.
+    """
+    for c in classes:
+        if not isinstance(c, type):
+            raise TypeError(f"register: rules are registered for primitive classes, got {c!r}")
+        if c in RULES:
+            raise ValueError(f"register: {c.__module__}.{c.__qualname__} already has a rule "
+                             f"({type(RULES[c]).__name__})")
+
     def deco(cls):
         inst = cls()
-        for n in names:
-            RULES[n] = inst
+        for c in classes:
+            RULES[c] = inst
         return cls
     return deco
 
 
 def get_rule(prim):
-    """The rule of a primitive (by class name, then its bases), or raises NoRuleError naming it."""
-    for klass in type(prim).__mro__:
-        rule = RULES.get(klass.__name__)
-        if rule is not None:
-            return rule
-    raise NoRuleError(f"{prim.name} has no sharding rule, so it cannot run in SEMI_AUTO_PARALLEL / AUTO_PARALLEL "
-                      f"mode; operators with rules: {', '.join(sorted(RULES))}")
+    """The rule registered for the class of ``prim`` (exactly), or raises NoRuleError naming it."""
+    klass = type(prim)
+    rule = RULES.get(klass)
+    if rule is not None:
+        return rule
+    base = next((b for b in klass.__mro__[1:] if b in RULES), None)
+    inherited = (f"; its base {base.__name__} has one, but a subclass computes something else and needs a rule "
+                 f"of its own" if base is not None else "")
+    raise NoRuleError(f"{prim.name} ({klass.__module__}.{klass.__qualname__}) has no sharding rule, so it cannot run "
+                      f"in SEMI_AUTO_PARALLEL / AUTO_PARALLEL mode{inherited}; operators with rules: "
+                      f"{', '.join(sorted({c.__name__ for c in RULES}))}")
 
 
 def tensor_specs(args):

@@ -9,6 +9,8 @@ Cuts on H or W would need each block's neighbours' border rows (a halo exchange)
 is not implemented: such strategies are refused, as are cut kernels, and channel cuts of
 grouped convolutions (each group's channels would have to stay on one block).
 """
+from minidl import ops
+
 from ..layout import Layout
 from .base import OpSharding, Rule, StrategyError, check_strategy_shape, device_matrix_for, register, tensor_specs
 from .elementwise import batch_cut, first_accepted, follow
@@ -22,7 +24,7 @@ def _no_spatial_cut(what, s):
                             f"exchange); cut N or C instead")
 
 
-@register("Conv2D")
+@register(ops.Conv2D)
 class Conv2DRule(Rule):
     """Conv2D (see the module docstring)."""
 
@@ -64,7 +66,7 @@ class Conv2DRule(Rule):
                                                              ((n, 1, 1, 1), (1, 1, 1, 1))])
 
 
-@register("MaxPool", "AvgPool")
+@register(ops.MaxPool, ops.AvgPool)
 class PoolRule(Rule):
     """Pooling over H and W, which stay whole: strategy ((n, c, 1, 1),)."""
 

@@ -9,6 +9,8 @@ The cost is a full-size draw on every rank; no communication.
 Example (4 devices): x (8, 6) with strategy ((2, 2),): the rank at coordinates (1, 0) draws
 an (8, 6) mask and multiplies its (4, 3) block by ``mask[4:8, 0:3]``.
 """
+from minidl import ops
+
 from ..layout import Layout
 from .base import OpSharding, Rule, check_strategy_shape, device_matrix_for, register, tensor_specs
 from .elementwise import batch_cut, dims_map, first_accepted, follow
@@ -17,15 +19,15 @@ __all__ = ["DropoutRule", "mask_window"]
 
 
 def mask_window(layout, shape):
-    """``local_attrs(coords)`` of a tensor of global ``shape`` laid out as ``layout``: its mask window."""
+    """``local_attrs(site)`` of a tensor of global ``shape`` laid out as ``layout``: its mask window."""
     shape = tuple(shape)
 
-    def local_attrs(coords):
-        return {"mask_window": (shape, layout.local_slices(layout.rank_of(coords), shape))}
+    def local_attrs(site):
+        return {"mask_window": (shape, layout.local_slices(layout.rank_of(site.coords), shape))}
     return local_attrs
 
 
-@register("Dropout")
+@register(ops.Dropout)
 class DropoutRule(Rule):
     """Dropout(x): one tuple of cuts of x, any dimension; the output keeps x's layout."""
 

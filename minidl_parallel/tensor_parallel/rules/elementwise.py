@@ -16,9 +16,9 @@ from math import prod
 
 import numpy
 
+from minidl import ops
 from minidl.backend import get_array_module
-from minidl.ops.math import _Binary
-from minidl.ops.primitive import sum_to_shape
+from minidl.ops.primitive import Primitive, shape_of, sum_to_shape
 
 from ..layout import Layout
 from .base import (OpSharding, Rule, StrategyError, TensorSpec, check_counts, check_strategy_shape, device_matrix_for,
@@ -26,10 +26,30 @@ from .base import (OpSharding, Rule, StrategyError, TensorSpec, check_counts, ch
 
 __all__ = ["UnaryRule", "BinaryRule", "KeepWhere", "UNARY_OPS", "BINARY_OPS"]
 
-UNARY_OPS = ("Neg", "Exp", "Log", "Sqrt", "Square", "Abs", "ReLU", "Sigmoid", "Tanh", "Cast", "ZerosLike",
-             "OnesLike")
-BINARY_OPS = ("Add", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "Equal", "NotEqual", "Less",
-              "LessEqual", "Greater", "GreaterEqual", "KeepWhere")
+
+
+class KeepWhere(Primitive):
+    """``x`` where ``mask`` is true, 0 elsewhere (broadcasting); the gradient flows to x through the mask.
+
+    An internal primitive of the ReduceMax decomposition: unlike ``x * mask`` it gives 0,
+    not NaN, where x is -inf and the mask false.
+    """
+
+    n_inputs = 2
+
+    def forward(self, x, mask):
+        self.x_shape, self.mask = shape_of(x), mask
+        return get_array_module(x, mask).where(mask, x, x.dtype.type(0))
+
+    def backward(self, gy):
+        gx = sum_to_shape(gy * self.mask, self.x_shape) if self.needs_grad[0] else None
+        return gx, None
+
+
+UNARY_OPS = (ops.Neg, ops.Exp, ops.Log, ops.Sqrt, ops.Square, ops.Abs, ops.ReLU, ops.Sigmoid, ops.Tanh, ops.Cast,
+             ops.ZerosLike, ops.OnesLike)
+BINARY_OPS = (ops.Add, ops.Sub, ops.Mul, ops.RealDiv, ops.Maximum, ops.Minimum, ops.Pow, ops.Equal, ops.NotEqual,
+              ops.Less, ops.LessEqual, ops.Greater, ops.GreaterEqual, KeepWhere)
 
 
 # ---- helpers shared by the rule modules -----------------------------------------------------
@@ -258,18 +278,3 @@ class BinaryRule(Rule):
         alone = out_cuts([primary])
         return first_accepted(self, prim, args, device_num, [strategy_of(merged), strategy_of(alone)])
 
-
-class KeepWhere(_Binary):
-    """``x`` where ``mask`` is true, 0 elsewhere; the gradient flows to x through the mask.
-
-    An internal primitive of the ReduceMax decomposition: unlike ``x * mask`` it gives 0,
-    not NaN, where x is -inf and the mask false.
-    """
-
-    def compute(self, x, mask):
-        self.mask = mask
-        return get_array_module(x, mask).where(mask, x, x.dtype.type(0))
-
-    def backward(self, gy):
-        gx = sum_to_shape(gy * self.mask, self.x_shape) if self.needs_grad[0] else None
-        return gx, None

@@ -15,6 +15,7 @@ laid out ``(a, -, b, -)``; ``x[1:5]`` is refused (dimension 0 is cut 2 but slice
 """
 import numpy
 
+from minidl import ops
 from minidl.ops.primitive import normalize_axis
 from minidl.tensor import Tensor
 
@@ -40,7 +41,7 @@ def _sharding(strategy, device_num, out_loops, extra=()):
 
 # ---- Concat ---------------------------------------------------------------------------------
 
-@register("Concat")
+@register(ops.Concat)
 class ConcatRule(Rule):
     """Concat(x0, x1, ...) along ``prim.axis``: the axis whole, equal cuts elsewhere, same layout out."""
 
@@ -236,7 +237,7 @@ class _IndexRule(Rule):
         return first_accepted(self, prim, args, device_num, [self.full_strategy(args, (cuts,))])
 
 
-@register("StridedSlice")
+@register(ops.StridedSlice)
 class StridedSliceRule(_IndexRule):
     """StridedSlice(x, begin, end, strides) with its masks (see the module docstring)."""
 
@@ -244,7 +245,7 @@ class StridedSliceRule(_IndexRule):
         return prim._index(tuple(x.shape), *args[1:4])
 
 
-@register("GetItem")
+@register(ops.GetItem)
 class GetItemRule(_IndexRule):
     """GetItem(x, index): Python / NumPy indexing (see the module docstring)."""
 

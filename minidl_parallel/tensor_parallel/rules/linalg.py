@@ -12,6 +12,8 @@ BatchMatMul prepends the output's batch dimensions as loops of the device matrix
 broadcast as numpy's: a batch dimension of size 1 stays whole). BiasAdd follows x, the bias
 cut like x's channel dimension.
 """
+from minidl import ops
+
 from ..layout import Layout
 from .base import (OpSharding, Rule, StrategyError, check_strategy_shape, device_matrix_for, largest_cut,
                    register, tensor_specs)
@@ -31,7 +33,7 @@ def _stored(transposed, rows, cols):
     return (cols, rows) if transposed else (rows, cols)
 
 
-@register("MatMul", "BatchMatMul")
+@register(ops.MatMul, ops.BatchMatMul)
 class ProductRule(Rule):
     """MatMul (2-D) and BatchMatMul (batch dims broadcast), with transpose_a / transpose_b."""
 
@@ -92,7 +94,7 @@ class ProductRule(Rule):
         return first_accepted(self, prim, args, device_num, [cand, batch_only])
 
 
-@register("BiasAdd")
+@register(ops.BiasAdd)
 class BiasAddRule(Rule):
     """x + b along x's channel axis (1, or the last for NHWC): b is cut like that axis."""
 

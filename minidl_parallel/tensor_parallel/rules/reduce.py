@@ -19,6 +19,7 @@ from math import prod
 
 import numpy
 
+from minidl import ops
 from minidl.ops.primitive import normalize_axis
 from minidl.ops.array import Cast
 from minidl.ops.math import Equal, Neg, RealDiv
@@ -83,19 +84,19 @@ class ReduceRule(Rule):
         return first_accepted(self, prim, args, device_num, [(follow(x, layouts[0], avoid=_axes(prim, args, x)),)])
 
 
-@register("ReduceSum")
+@register(ReduceSum)
 class ReduceSumRule(ReduceRule):
     def infer(self, prim, args, strategy, device_num):
         return _Plan(prim, args, strategy).sharding(prim, device_num, "sum")
 
 
-@register("PartialReduceMax")
+@register(PartialReduceMax)
 class PartialReduceMaxRule(ReduceRule):
     def infer(self, prim, args, strategy, device_num):
         return _Plan(prim, args, strategy).sharding(prim, device_num, "max")
 
 
-@register("ReduceMean")
+@register(ops.ReduceMean)
 class ReduceMeanRule(ReduceRule):
     def infer(self, prim, args, strategy, device_num):
         plan = _Plan(prim, args, strategy)
@@ -114,7 +115,7 @@ class ReduceMeanRule(ReduceRule):
                               f"global count {count}")
 
 
-@register("ReduceMax")
+@register(ReduceMax)
 class ReduceMaxRule(ReduceRule):
     def infer(self, prim, args, strategy, device_num):
         plan = _Plan(prim, args, strategy)
@@ -144,7 +145,7 @@ class ReduceMaxRule(ReduceRule):
                               "gradient), mask = (x == m), then ReduceSum(x where mask) / ReduceSum(mask)")
 
 
-@register("ReduceMin")
+@register(ops.ReduceMin)
 class ReduceMinRule(ReduceRule):
     def infer(self, prim, args, strategy, device_num):
         plan = _Plan(prim, args, strategy)

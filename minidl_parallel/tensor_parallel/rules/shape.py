@@ -13,9 +13,14 @@ divisible by 2, so the output is cut (2, 1, 1) and each rank reshapes its (4, 6)
 (2, 2, 6). With x cut (4, 1) and the target (2, 4, 6), the leading 2 is not divisible by 4:
 a StrategyError.
 """
+import copy
 from math import prod
+from operator import index
 
-from minidl.ops.array import Reshape, _check_int, _int_tuple, _resolve_shape
+import numpy
+
+from minidl import ops
+from minidl.ops.array import Reshape
 from minidl.ops.primitive import normalize_axis
 
 from ..layout import Layout
@@ -38,6 +43,19 @@ def _sharding(strategy, device_num, out_loops, localize=None):
     dm, off, rep = device_matrix_for(s, device_num)
     x = Layout(dm, dims_map(off, range(len(s))))
     return OpSharding((s,), (x,), Layout(dm, dims_map(off, out_loops)), rep, localize=localize)
+
+
+def _probe(prim, x, *rest):
+    """The op's own forward on a stand-in for x: (the node that ran, the GLOBAL output shape).
+
+    The stand-in has x's global shape and every stride 0, so it takes no memory and the shape
+    ops make views of it. The op checks its other arguments with its own messages (a perm that
+    is no permutation, a second -1) and resolves them against the global shape (Reshape's -1),
+    so the rule and the op cannot disagree on what a call means.
+    """
+    node = copy.copy(prim)
+    out = node.forward(numpy.broadcast_to(numpy.zeros((), dtype=bool), x.shape), *rest)
+    return node, tuple(out.shape)
 
 
 def reshape_sources(in_shape, out_shape, cuts):
@@ -122,12 +140,12 @@ class _ReshapeLike(Rule):
         return first_accepted(self, prim, args, device_num, [(cuts,), (_survivors(x.shape, target, cuts),)])
 
 
-@register("Reshape")
+@register(Reshape)
 class ReshapeRule(_ReshapeLike):
     """Reshape(x, shape): the target shape (its -1 resolved with the GLOBAL size) becomes the local one."""
 
     def target(self, prim, args, x):
-        return _resolve_shape(prim.name, x.shape, _int_tuple(prim.name, "shape", args[1]))
+        return _probe(prim, x, args[1])[1]
 
     def infer(self, prim, args, strategy, device_num):
         x, s = _single(strategy, args)
@@ -140,7 +158,7 @@ class ReshapeRule(_ReshapeLike):
         return _sharding(strategy, device_num, src, localize if local != target else None)
 
 
-@register("Flatten")
+@register(ops.Flatten)
 class FlattenRule(_ReshapeLike):
     """(N, d1, d2, ...) -> (N, d1 * d2 * ...): a Reshape that needs no localize (it reads local shapes)."""
 
@@ -155,37 +173,30 @@ class FlattenRule(_ReshapeLike):
         return _sharding(strategy, device_num, reshape_sources(x.shape, target, s))
 
 
-@register("Transpose")
+@register(ops.Transpose)
 class TransposeRule(Rule):
     """Transpose(x, perm): output dimension i has the cut of input dimension perm[i]."""
 
     def infer(self, prim, args, strategy, device_num):
         x, s = _single(strategy, args)
-        perm = _int_tuple(prim.name, "perm", args[1])
-        nd = x.ndim
-        if len(perm) != nd or sorted(p % nd if -nd <= p < nd else p for p in perm) != list(range(nd)):
-            raise ValueError(f"{prim.name}: perm {perm} is not a permutation of range({nd}) for a tensor of shape "
-                             f"{x.shape}")
-        return _sharding(strategy, device_num, [p % nd for p in perm])
+        node, _ = _probe(prim, x, args[1])  # checks perm; the op keeps it normalised (no negative entries)
+        return _sharding(strategy, device_num, list(node.perm))
 
     def propagate(self, prim, args, layouts, device_num):
         (x,) = tensor_specs(args)
         return first_accepted(self, prim, args, device_num, [(follow(x, layouts[0]),)])
 
 
-@register("ExpandDims")
+@register(ops.ExpandDims)
 class ExpandDimsRule(Rule):
     """ExpandDims(x, axis): a whole size-1 dimension inserted."""
 
     def infer(self, prim, args, strategy, device_num):
         x, s = _single(strategy, args)
-        axis = _check_int(prim.name, "axis", args[1])
+        _probe(prim, x, args[1])  # checks axis: an int with -ndim-1 <= axis <= ndim
         nd = x.ndim
-        if not -nd - 1 <= axis <= nd:
-            raise ValueError(f"{prim.name}: axis {axis} is out of range for a tensor of rank {nd} "
-                             f"(expected {-nd - 1} <= axis <= {nd})")
         loops = list(range(nd))
-        loops.insert(axis % (nd + 1), None)
+        loops.insert(index(args[1]) % (nd + 1), None)
         return _sharding(strategy, device_num, loops)
 
     def propagate(self, prim, args, layouts, device_num):
@@ -193,7 +204,7 @@ class ExpandDimsRule(Rule):
         return first_accepted(self, prim, args, device_num, [(follow(x, layouts[0]),)])
 
 
-@register("Squeeze")
+@register(ops.Squeeze)
 class SqueezeRule(Rule):
     """Squeeze: size-1 dimensions (never cut) removed."""
 

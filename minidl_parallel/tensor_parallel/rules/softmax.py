@@ -12,8 +12,9 @@ indices (N,) and axis -1). With the classes cut in c, each rank builds its block
 ``depth / c`` from indices shifted by its block's first class; indices outside the block
 give off_value, as out-of-range indices do in minidl's OneHot.
 """
+from minidl import ops
 from minidl.backend import get_array_module
-from minidl.ops.activation import LogSoftmax, _check_axis
+from minidl.ops.activation import LogSoftmax
 from minidl.ops.array import Cast, OneHot
 from minidl.ops.loss import SoftmaxCrossEntropyWithLogits
 from minidl.ops.math import Exp, Log, Mul, Neg, RealDiv, Sub
@@ -31,8 +32,8 @@ __all__ = ["SoftmaxRule", "SoftmaxCrossEntropyRule", "SparseSoftmaxCrossEntropyR
 
 
 def _softmax_axes(prim, x):
-    axis = _check_axis(prim.name, prim.axis)
-    return () if x.ndim == 0 else normalize_axis(prim.name, axis, x.ndim)
+    # Softmax and LogSoftmax check their axis when made (an int or a non-empty tuple of ints).
+    return () if x.ndim == 0 else normalize_axis(prim.name, prim.axis, x.ndim)
 
 
 def _plain(s, device_num):
@@ -40,7 +41,7 @@ def _plain(s, device_num):
     return Layout(dm, dims_map(off, range(len(s)))), rep
 
 
-@register("Softmax", "LogSoftmax")
+@register(ops.Softmax, LogSoftmax)
 class SoftmaxRule(Rule):
     """Softmax / LogSoftmax: local over whole axes, decomposed over cut ones (module docstring)."""
 
@@ -99,7 +100,7 @@ def _check_logits(prim, logits):
         raise ValueError(f"{prim.name}: logits must be 2-D (N, C), got shape {logits.shape}")
 
 
-@register("SoftmaxCrossEntropyWithLogits")
+@register(SoftmaxCrossEntropyWithLogits)
 class SoftmaxCrossEntropyRule(Rule):
     """Dense labels (N, C), cut exactly like the logits; the loss (N,) is cut like the batch."""
 
@@ -135,7 +136,7 @@ class SoftmaxCrossEntropyRule(Rule):
         return first_accepted(self, prim, args, device_num, [(cuts, cuts), ((cuts[0], 1), (cuts[0], 1))])
 
 
-@register("SparseSoftmaxCrossEntropyWithLogits")
+@register(ops.SparseSoftmaxCrossEntropyWithLogits)
 class SparseSoftmaxCrossEntropyRule(Rule):
     """Class indices (N,) cut like the logits' batch; a class cut goes through OneHot + the dense path."""
 
@@ -186,7 +187,7 @@ def _check_labels(prim, labels, depth):
                          f"(expected 0 <= label < {depth})")
 
 
-@register("OneHot")
+@register(OneHot)
 class OneHotRule(Rule):
     """OneHot(indices, depth, on_value, off_value); the strategy is the output's (module docstring)."""
 

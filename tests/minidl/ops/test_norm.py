@@ -142,3 +142,43 @@ def test_errors():
         ops.BatchNorm(False)(x, c3, c3, None, None)
     with pytest.raises(ValueError, match=r"BatchNorm: scale must be a \(3,\) tensor, got None"):
         ops.BatchNorm(True)(x, None, c3, None, None)
+
+
+class _TwoCopies(ops.BatchNorm):
+    """Every per-channel sum goes through sum_over_batch: here the batch is this block twice."""
+
+    def sum_over_batch(self, sums):
+        return 2 * sums
+
+
+@pytest.mark.parametrize("fmt, shape", [("NCHW", (3, 2, 2, 2)), ("NHWC", (3, 2, 2, 2)), ("NCHW", (4, 3))])
+def test_sum_over_batch_is_the_seam_of_every_cross_batch_sum(fmt, shape):
+    """BatchNorm whose sums are those of [x; x] computes, on x, BatchNorm of [x; x]: statistics,
+    running update and the input gradient all come from the seam; scale and bias get this
+    block's share (a grad reducer adds the other blocks')."""
+    rng = np.random.default_rng(5)
+    x, gy = rng.standard_normal(shape) * 2 + 1, rng.standard_normal(shape)
+    c = shape[channel_axis(len(shape), fmt)]
+    scale, bias = rng.standard_normal(c), rng.standard_normal(c)
+
+    def run(op, x, gy):
+        xt, st, bt = (Tensor(a, requires_grad=True) for a in (x, scale, bias))
+        mean, var = np.zeros(c), np.ones(c)
+        y = op(xt, st, bt, mean, var)
+        y.backward(Tensor(gy))
+        return y.asnumpy(), xt.grad.asnumpy(), st.grad.asnumpy(), bt.grad.asnumpy(), mean, var
+
+    got = run(_TwoCopies(True, 1e-5, 0.3, fmt), x, gy)
+    want = run(ops.BatchNorm(True, 1e-5, 0.3, fmt), np.concatenate([x, x]), np.concatenate([gy, gy]))
+    n = shape[0]
+    for name, a, b in zip(["y", "gx"], got[:2], want[:2]):
+        np.testing.assert_allclose(a, b[:n], rtol=1e-12, atol=1e-12, err_msg=name)
+    for name, a, b in zip(["gscale", "gbias"], got[2:4], want[2:4]):
+        np.testing.assert_allclose(a, b / 2, rtol=1e-12, atol=1e-12, err_msg=name)
+    for name, a, b in zip(["mean", "variance"], got[4:], want[4:]):  # the count is [x; x]'s too
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12, err_msg=name)
+
+
+def test_plain_batchnorm_sums_nothing_more():
+    sums = np.arange(4.0)
+    assert ops.BatchNorm(True).sum_over_batch(sums) is sums

@@ -176,6 +176,25 @@ def test_adjoint_goes_back_without_partial_axes():
     assert [s.kind for s in back.steps] == ["allgather"]
 
 
+@given(layout_pairs())
+def test_adjoint_is_the_planner_s_plan_back(pair):
+    src, dst, shape = pair
+    back = plan_redistribution(src, dst, shape).adjoint()
+    assert back == plan_redistribution(dst.without_partial(), src.without_partial(), shape)
+    with pytest.raises(ValueError, match="Plan.adjoint: the plan .* has no adjoint: it is an adjoint itself"):
+        back.adjoint()
+
+
+def test_the_plan_module_needs_nothing_from_the_planner():
+    """plan.py is data; the planner (redistribution.py) imports it, never the other way round."""
+    import ast
+    import minidl_parallel.tensor_parallel.plan as plan_module
+    tree = ast.parse(open(plan_module.__file__).read())
+    imported = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    imported += [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    assert not [m for m in imported if m and "redistribution" in m], imported
+
+
 def test_steps_and_plans_are_hashable_plain_data():
     plan = plan_redistribution(S0, S1, (8, 12))
     assert isinstance(plan, Plan) and all(isinstance(s, Step) for s in plan.steps)

@@ -12,7 +12,7 @@ from minidl import Parameter, Tensor, nn, ops
 from minidl_parallel import run_threads
 from minidl_parallel.tensor_parallel.dispatch import full_value, gather_like
 from minidl_parallel.tensor_parallel.layout import Layout
-from minidl_parallel.tensor_parallel.rules import StrategyError, TensorSpec, get_rule
+from minidl_parallel.tensor_parallel.rules import Site, StrategyError, TensorSpec, get_rule
 from minidl_parallel.tensor_parallel.rules.indexing import index_dims
 
 F64 = np.dtype(np.float64)
@@ -30,6 +30,11 @@ def layouts_of(sh):
     return [str(lay) for lay in sh.in_layouts], str(sh.out_layout), sh.repeat_axes
 
 
+def at(coords):
+    """The Site of a rank at ``coords`` (no communicator: Dropout's rule asks for none)."""
+    return Site(coords, group=None)
+
+
 def replicated(shape, n):
     return Layout.replicated(len(shape), n)
 
@@ -39,12 +44,12 @@ def replicated(shape, n):
 def test_dropout_keeps_the_layout_and_gives_each_rank_its_window_of_the_mask():
     sh = infer(ops.Dropout(0.5), (spec((8, 6)),), ((2, 2),), 4)
     assert layouts_of(sh) == (["(a, b) on [2, 2]"], "(a, b) on [2, 2]", ())
-    assert sh.local_attrs((1, 0)) == {"mask_window": ((8, 6), (slice(4, 8), slice(0, 3)))}
-    assert sh.local_attrs((0, 1)) == {"mask_window": ((8, 6), (slice(0, 4), slice(3, 6)))}
+    assert sh.local_attrs(at((1, 0))) == {"mask_window": ((8, 6), (slice(4, 8), slice(0, 3)))}
+    assert sh.local_attrs(at((0, 1))) == {"mask_window": ((8, 6), (slice(0, 4), slice(3, 6)))}
     # Fewer devices: replicas along the repeat axis keep the same window.
     sh = infer(ops.Dropout(0.5), (spec((8, 6)),), ((1, 2),), 4)
     assert layouts_of(sh) == (["(-, c) on [2, 1, 2]"], "(-, c) on [2, 1, 2]", (0,))
-    assert sh.local_attrs((0, 0, 1)) == sh.local_attrs((1, 0, 1)) == {
+    assert sh.local_attrs(at((0, 0, 1))) == sh.local_attrs(at((1, 0, 1))) == {
         "mask_window": ((8, 6), (slice(0, 8), slice(3, 6)))}
 
 

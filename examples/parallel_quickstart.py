@@ -10,8 +10,9 @@ sharding propagation the ReLU and the second MatMul follow that layout by themse
 framework slices the weights, runs each operator on its blocks, and moves data between
 layouts (all-to-all, reduce-scatter, all-reduce) as the plan printed by --explain shows.
 MSELoss, Momentum (lr 0.2, momentum 0.1), 5 epochs of 4 steps, a global batch of 16 (2 per
-rank on 8 ranks, data_parallel dataset strategy). Every rank prints the same losses, equal to
-those of --single (up to float32 rounding).
+rank on 8 ranks, data_parallel dataset strategy: each rank reads its shard of the rows,
+``num_shards=get_group_size(), shard_id=get_rank()``). Every rank prints the same losses,
+equal to those of --single (up to float32 rounding).
 
 On fewer ranks the strategy shrinks to ((n / mp, mp), (mp, 1)) with mp = min(4, n).
 """
@@ -90,7 +91,10 @@ def main():
                   f"batch {batch} per rank")
 
     x, y = make_data(args.steps)
-    dataset = NumpySlicesDataset({"data": x, "label": y}, shuffle=False).batch(batch)
+    # dataset_strategy "data_parallel": each rank reads its own rows, asked for explicitly (datasets are
+    # never sharded implicitly); batch s of the ranks together is rows [16 s, 16 (s + 1)), as in --single.
+    shards = {} if args.single else dict(num_shards=world, shard_id=mp.get_rank())
+    dataset = NumpySlicesDataset({"data": x, "label": y}, shuffle=False, **shards).batch(batch)
     if args.explain and not args.single:
         mp.explain(net, minidl.Tensor(x[:batch]))
     model = Model(net, loss_fn=nn.MSELoss(), optimizer=nn.Momentum(net.trainable_params(), 0.2, 0.1))

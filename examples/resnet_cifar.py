@@ -3,7 +3,7 @@
     python examples/resnet_cifar.py                                   # synthetic data, ~1 minute on a laptop CPU
     python examples/resnet_cifar.py --data-path ~/data/cifar-10-batches-bin --epochs 30 --batch-size 128
     python examples/resnet_cifar.py --arch resnet18 --device GPU --ckpt-dir ckpt --resume-from ckpt/resnet-3_390.ckpt
-    mpirun -n 8 python examples/resnet_cifar.py                       # data parallel: 8 processes (MPI or NCCL)
+    mpirun -n 8 python examples/resnet_cifar.py --log-file log.jsonl  # data parallel: 8 processes (MPI or NCCL)
 
 With --data-path it reads the official CIFAR-10 binary release (the unpacked
 `cifar-10-batches-bin/` folder), trains with random crops and flips, and evaluates on the
@@ -13,11 +13,15 @@ dataset (each class a fixed random image plus noise), so the loss visibly falls 
 Launched by mpirun (``--parallel auto``, the default), it calls ``minidl_parallel.init()``
 (NCCL on GPUs, MPI on CPUs) and trains data-parallel: gradients averaged over ranks
 (``gradients_mean=True``), every rank starting from rank 0's parameters
-(``parameter_broadcast=True``), each rank reading its own shard of every epoch, so
-``--batch-size`` is per rank and the global batch is ``batch-size x ranks``. Every rank
-prints its own local loss, as MindSpore does. The ResNets keep plain BatchNorm2d, whose
-statistics stay local to each rank (as in MindSpore and PyTorch); for exactly the
-single-process result on the global batch, use ``minidl_parallel.nn.SyncBatchNorm``.
+(``parameter_broadcast=True``), each rank reading its own shard of every epoch (the datasets
+are built with ``num_shards=get_group_size(), shard_id=get_rank()``), so ``--batch-size`` is
+per rank and the global batch is ``batch-size x ranks``. Every rank prints its own local
+loss, as MindSpore's LossMonitor does; this script's own messages and the evaluation, which
+covers the whole test set (and reports the same values on every rank), are printed by rank 0.
+The metrics log (``--log-file``) is written by rank 0; put ``{rank}`` in its name for one
+file per rank. The ResNets keep plain BatchNorm2d, whose statistics stay local to each rank
+(as in MindSpore and PyTorch); for exactly the single-process result on the global batch,
+use ``minidl_parallel.nn.SyncBatchNorm``.
 """
 import argparse
 
@@ -46,7 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ckpt-dir", help="save a checkpoint every epoch into this folder")
     p.add_argument("--resume-from", help="a checkpoint written by --ckpt-dir to continue from")
-    p.add_argument("--log-file", help="write one JSON line per step (plot with python -m minidl.plot)")
+    p.add_argument("--log-file", help="write one JSON line per step (plot with python -m minidl.plot); rank 0 "
+                                      "writes it, or every rank its own when the name holds {rank}")
     p.add_argument("--parallel", choices=["auto", "none"], default="auto",
                    help="auto: data parallel when launched by mpirun (needs minidl_parallel); none: never")
     args = p.parse_args(argv)
@@ -56,28 +61,39 @@ def parse_args(argv=None):
     return args
 
 
-def cifar_datasets(path, batch_size):
-    """Training pipeline with augmentation, test pipeline without; both batched, vectorised."""
-    train = Cifar10Dataset(path, usage="train", shuffle=True).batch(batch_size, drop_remainder=True)
+def shards(rank, size):
+    """The sharding arguments of this rank's datasets: its own shard when data parallel, else none."""
+    return dict(num_shards=size, shard_id=rank) if size > 1 else {}
+
+
+def cifar_datasets(path, batch_size, rank=0, size=1):
+    """Training pipeline with augmentation, test pipeline without; both batched, vectorised.
+
+    Under data parallelism each rank reads its shard: training pads the shards to one length
+    (every rank runs as many steps), the test set is split exactly, every image once.
+    """
+    train = Cifar10Dataset(path, usage="train", shuffle=True, **shards(rank, size))
+    train = train.batch(batch_size, drop_remainder=True)
     train = train.map([vision.RandomCrop(32, padding=4), vision.RandomHorizontalFlip(),
                        vision.Rescale(1 / 255, 0), vision.Normalize(CIFAR_MEAN, CIFAR_STD), vision.HWC2CHW()],
                       input_columns="image")
-    test = Cifar10Dataset(path, usage="test", shuffle=False, shard_mode="exact").batch(batch_size)
+    test = Cifar10Dataset(path, usage="test", shuffle=False, shard_mode="exact", **shards(rank, size))
+    test = test.batch(batch_size)
     test = test.map([vision.Rescale(1 / 255, 0), vision.Normalize(CIFAR_MEAN, CIFAR_STD), vision.HWC2CHW()],
                     input_columns="image")
-    for ds in (train, test):
-        ds.map(transforms.TypeCast(np.int32), input_columns="label")
+    train, test = (ds.map(transforms.TypeCast(np.int32), input_columns="label") for ds in (train, test))
     return train, test
 
 
-def synthetic_dataset(num_samples, batch_size, seed, num_classes=10):
-    """A learnable CIFAR-shaped problem: NCHW float32 images (class template + noise)."""
-    rng = np.random.default_rng(seed)
+def synthetic_dataset(num_samples, batch_size, seed, num_classes=10, rank=0, size=1):
+    """A learnable CIFAR-shaped problem: NCHW float32 images (class template + noise), this rank's shard."""
+    rng = np.random.default_rng(seed)  # the same images on every rank: each then reads its shard
     templates = rng.standard_normal((num_classes, 3, 32, 32)).astype(np.float32)
     labels = rng.integers(0, num_classes, num_samples).astype(np.int32)
     images = templates[labels] + 1.5 * rng.standard_normal((num_samples, 3, 32, 32)).astype(np.float32)
     data = {"image": images, "label": labels}
-    return NumpySlicesDataset(data, column_names=["image", "label"], shuffle=True).batch(batch_size, drop_remainder=True)
+    ds = NumpySlicesDataset(data, column_names=["image", "label"], shuffle=True, **shards(rank, size))
+    return ds.batch(batch_size, drop_remainder=True)
 
 
 def setup_parallel(mode):
@@ -92,7 +108,8 @@ def setup_parallel(mode):
     if not launched_under_mpi():
         return 0, 1
     mp.init()
-    # Before the Model and the datasets exist: they pick up the reducer and the shards then.
+    # Model.train asks for the gradient reducer this mode gives when training starts; the
+    # datasets are sharded explicitly, with the rank and size returned here.
     mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL, gradients_mean=True,
                                  parameter_broadcast=True)
     return mp.get_rank(), mp.get_group_size()
@@ -103,18 +120,24 @@ def main(argv=None):
     if args.device:
         minidl.set_context(device_target=args.device)  # before init: it picks nccl on GPU
     rank, size = setup_parallel(args.parallel)
-    if size > 1:
-        print(f"rank {rank} of {size}: data parallel, global batch {args.batch_size * size}", flush=True)
+
+    def say(message):
+        """This script's messages: once per job, from rank 0 (LossMonitor/TimeMonitor print per rank)."""
+        if rank == 0:
+            print(message, flush=True)
+
     if args.data_path:
-        print(f"minidl ResNet example: training {args.arch} on CIFAR-10 from {args.data_path}", flush=True)
+        say(f"minidl ResNet example: training {args.arch} on CIFAR-10 from {args.data_path}")
     else:
-        print(f"minidl ResNet example: no --data-path given, training {args.arch} on a synthetic, learnable "
-              f"CIFAR-shaped dataset ({args.num_samples} images of 3x32x32, 10 classes)", flush=True)
+        say(f"minidl ResNet example: no --data-path given, training {args.arch} on a synthetic, learnable "
+            f"CIFAR-shaped dataset ({args.num_samples} images of 3x32x32, 10 classes)")
+    if size > 1:
+        say(f"data parallel on {size} ranks: batch {args.batch_size} per rank, global batch {args.batch_size * size}")
     minidl.set_seed(args.seed)  # before the datasets: their shuffles and augmentations follow it
     if args.data_path:
-        train_ds, test_ds = cifar_datasets(args.data_path, args.batch_size)
+        train_ds, test_ds = cifar_datasets(args.data_path, args.batch_size, rank, size)
     else:
-        train_ds, test_ds = synthetic_dataset(args.num_samples, args.batch_size, args.seed), None
+        train_ds, test_ds = synthetic_dataset(args.num_samples, args.batch_size, args.seed, rank=rank, size=size), None
 
     net = ARCHS[args.arch]()
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
@@ -122,8 +145,7 @@ def main(argv=None):
     lr = nn.cosine_decay_lr(0.0, args.lr, steps * args.epochs, steps, args.epochs)
     optimizer = nn.Momentum(net.trainable_params(), learning_rate=lr, momentum=0.9, weight_decay=1e-4)
     model = Model(net, loss_fn, optimizer, metrics={"accuracy"})
-    print(f"device {minidl.get_context('device_target')}, {steps} steps per epoch, batch {args.batch_size}",
-          flush=True)
+    say(f"device {minidl.get_context('device_target')}, {steps} steps per epoch, batch {args.batch_size}")
     callbacks = [LossMonitor(per_print_times=max(1, steps // 4)), TimeMonitor()]
     if args.ckpt_dir:
         callbacks.append(ModelCheckpoint(prefix=args.arch, directory=args.ckpt_dir,
@@ -133,7 +155,8 @@ def main(argv=None):
                   log_file=args.log_file)
     else:
         model.train(args.epochs, train_ds, callbacks=callbacks, resume_from=args.resume_from, log_file=args.log_file)
-        print(f"train accuracy: {model.eval(train_ds)['accuracy']:.3f}", flush=True)
+        accuracy = model.eval(train_ds)["accuracy"]  # every rank takes part: the shards' counts are added up
+        say(f"train accuracy: {accuracy:.3f}")
 
 
 if __name__ == "__main__":

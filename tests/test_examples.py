@@ -1,25 +1,30 @@
 """The README's main example runs as a newcomer would run it (shortened)."""
+import json
 import os
 import subprocess
 import sys
 
-import numpy as np
+from cifar_files import write_cifar_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The checkout itself, so the examples import this minidl whether or not it is pip-installed.
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def test_resnet_cifar_example_runs_and_learns():
+def test_resnet_cifar_example_runs_and_learns(tmp_path):
+    log = tmp_path / "log.jsonl"
     out = subprocess.run([sys.executable, "examples/resnet_cifar.py", "--epochs", "2", "--num-samples", "128",
-                          "--batch-size", "16", "--device", "CPU"], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                         timeout=300)
+                          "--batch-size", "16", "--device", "CPU", "--log-file", str(log)], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "synthetic" in lines[0]
     losses = [float(l.split("loss is ")[1]) for l in lines if "loss is" in l]
     assert len(losses) >= 4
     assert losses[-1] < losses[0]
+    assert sum("train accuracy:" in l for l in lines) == 1
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 17))  # 128 / 16 = 8 steps, 2 epochs
 
 
 def test_example_rejects_bad_arguments():
@@ -28,19 +33,9 @@ def test_example_rejects_bad_arguments():
     assert out.returncode != 0 and "--batch-size must be positive" in out.stderr
 
 
-def _write_cifar(folder, records_per_file, seed=0):
-    """Small files in the official CIFAR-10 binary layout (1 label byte + 3072 pixel bytes)."""
-    rng = np.random.default_rng(seed)
-    folder.mkdir()
-    for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
-        labels = rng.integers(0, 10, records_per_file, dtype=np.uint8)
-        pixels = rng.integers(0, 256, (records_per_file, 3072), dtype=np.uint8)
-        np.concatenate([labels[:, None], pixels], axis=1).tofile(folder / name)
-
-
 def test_resnet_cifar_example_reads_cifar_binaries(tmp_path):
     data = tmp_path / "cifar-10-batches-bin"
-    _write_cifar(data, records_per_file=16)
+    write_cifar_batches(data, records_per_file=16)
     out = subprocess.run([sys.executable, "examples/resnet_cifar.py", "--data-path", str(data), "--epochs", "1",
                           "--batch-size", "16", "--device", "CPU", "--ckpt-dir", str(tmp_path / "ckpt")],
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)

@@ -22,7 +22,7 @@ _USAGE_FILES = {"train": TRAIN_FILES, "test": TEST_FILES, "all": TRAIN_FILES + T
 
 
 def _resolve_usage(usage, name):
-    usage = "train" if usage is None else usage
+    usage = "all" if usage is None else usage  # MindSpore: no usage means every file
     if usage not in _USAGE_FILES:
         raise ValueError(f"{name}: usage must be 'train', 'test' or 'all', got {usage!r}")
     return usage
@@ -55,7 +55,8 @@ def load_cifar10(dataset_dir, usage="train"):
 
     Args:
         dataset_dir: the ``cifar-10-batches-bin`` folder, or the folder that contains it.
-        usage: "train" (data_batch_1..5.bin), "test" (test_batch.bin) or "all" (train, then test).
+        usage: "train" (data_batch_1..5.bin), "test" (test_batch.bin) or "all" (train, then
+            test, the files in name order as MindSpore reads them); None means "all".
 
     Returns:
         (images, labels): uint8 of shape (N, 32, 32, 3) (HWC, RGB) and int32 of shape (N,).
@@ -97,13 +98,14 @@ class Cifar10Dataset(NumpySlicesDataset):
 
     Args:
         dataset_dir: the ``cifar-10-batches-bin`` folder, or the folder that contains it.
-        usage: "train" (default, 50000 images), "test" (10000) or "all" (train, then test).
+        usage: "train" (50000 images), "test" (10000) or "all" (60000: train, then test); the
+            default, None, means "all", as in MindSpore.
         num_samples: at most this many rows per shard and epoch (default: all).
         num_parallel_workers: accepted for MindSpore compatibility and ignored: the files are
             read once, up front, with memory maps, so there is nothing to parallelise.
         shuffle: reshuffle every epoch, from (seed, epoch) only (default True, as MindSpore).
-        num_shards: split every epoch into this many shards (default: the data-parallel world
-            once parallel training is initialised, else none).
+        num_shards: split every epoch into this many shards (default: none; under data
+            parallelism pass the group size, e.g. ``get_group_size()``, as in MindSpore).
         shard_id: the shard this dataset yields, 0 <= shard_id < num_shards.
         shard_mode: "pad" (equal shard lengths, wrapping around, for training) or "exact"
             (every sample exactly once over all shards, for evaluation).

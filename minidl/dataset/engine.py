@@ -16,8 +16,13 @@ Random transforms (``op.random = True``) are called ``op(*columns, rng=rng)`` wi
 after ``batch``, the batch's) position in the map's input stream, times num_shards plus
 shard_id, so that ranks draw different augmentations; ``op_index`` counts the operations of
 all maps from the source on, so ``ds.map(a).map(b)`` equals ``ds.map([a, b])``.
+
+Padding repeats travel with the thunks. Every thunk has ``valid``: for a row, True, or False
+when "pad" sharding repeats it to even out the shards (sharding.py); a map keeps its input's;
+shuffle and repeat move thunks as they are; a batch's is a bool array, one entry per row. So
+``epoch_iterator(..., with_validity=True)`` can tell, for every row or batch it yields,
+which rows are real, and evaluation counts each row of a sharded dataset exactly once.
 """
-import functools
 import itertools
 import numbers
 import threading
@@ -58,16 +63,40 @@ def _column(value):
 
 
 class Take:
-    """A source row by index, as a thunk; batch reads a run of them from the source at once."""
+    """A source row by index, as a thunk; batch reads a run of them from the source at once.
 
-    __slots__ = ("source", "index")
+    ``valid`` is False when "pad" sharding repeats the row (see the module docstring).
+    """
 
-    def __init__(self, source, index):
+    __slots__ = ("source", "index", "valid")
+
+    def __init__(self, source, index, valid=True):
         self.source = source
         self.index = index
+        self.valid = valid
 
     def __call__(self):
         return self.source._row(self.index)
+
+
+def _valid(thunk):
+    """A thunk's ``valid`` (True for a callable that predates it, e.g. a custom source's)."""
+    return getattr(thunk, "valid", True)
+
+
+class Thunk:
+    """A deferred row or batch: calling it computes ``fn(*args)``; ``valid`` as for :class:`Take`,
+    or, for a batch, a bool array with one entry per row."""
+
+    __slots__ = ("fn", "args", "valid")
+
+    def __init__(self, fn, args, valid=True):
+        self.fn = fn
+        self.args = args
+        self.valid = valid
+
+    def __call__(self):
+        return self.fn(*self.args)
 
 
 class Dataset:
@@ -138,6 +167,16 @@ class Dataset:
 
     # ---------------------------------------------------------------- information
 
+    @property
+    def num_shards(self):
+        """How many shards the source is split into (1: every rank reads every row)."""
+        return self._shards[0]
+
+    @property
+    def shard_id(self):
+        """Which shard of the source this dataset reads."""
+        return self._shards[1]
+
     def get_col_names(self):
         """The column names, in row order."""
         return self.input_dataset.get_col_names()
@@ -173,15 +212,15 @@ class Dataset:
     def _thunks(self, epoch):
         raise NotImplementedError
 
-    def _produce(self, epoch, skip):
-        """The rows of ``epoch`` after the first ``skip`` ones, as NumPy tuples."""
+    def _produce(self, epoch, skip, with_validity=False):
+        """The rows of ``epoch`` after the first ``skip`` ones, as NumPy tuples (with their ``valid``)."""
         thunks = self._thunks(epoch)
         for done in range(skip):
             if next(thunks, None) is None:
                 raise ValueError(f"epoch_iterator: skip_batches={skip} but epoch {epoch} of this dataset has "
                                  f"only {done} rows/batches")
         for thunk in thunks:
-            yield thunk()
+            yield (thunk(), _valid(thunk)) if with_validity else thunk()
 
     def _claim_epoch(self):
         with self._epoch_lock:
@@ -189,7 +228,7 @@ class Dataset:
             self._next_epoch += 1
         return epoch
 
-    def epoch_iterator(self, epoch, skip_batches=0, output_numpy=False):
+    def epoch_iterator(self, epoch, skip_batches=0, output_numpy=False, with_validity=False):
         """An iterator over the rows (batches) of one epoch, from row ``skip_batches`` on.
 
         It yields exactly what a full pass over ``epoch`` yields after its first
@@ -201,12 +240,22 @@ class Dataset:
             epoch: the epoch number, >= 0; with the seed, it fixes shuffling and augmentation.
             skip_batches: how many leading rows/batches to skip (resuming at a step).
             output_numpy: yield NumPy arrays instead of Tensors.
+            with_validity: yield ``(row, valid)`` pairs: ``valid`` is False for a row that
+                "pad" sharding repeats (True otherwise) and, for a batch, a bool array with
+                one entry per row. :func:`minidl.dataset.iterators.drop_padding` keeps the
+                real rows; over all shards they are the dataset exactly once.
+
+        Example:
+            >>> ds = NumpySlicesDataset(numpy.arange(5), shuffle=False, num_shards=2, shard_id=1).batch(2)
+            >>> it = ds.epoch_iterator(0, output_numpy=True, with_validity=True)
+            >>> [(batch[0].tolist(), valid.tolist()) for batch, valid in it]
+            [([1, 3], [True, True]), ([0], [False])]
         """
         if not _is_int(epoch) or epoch < 0:
             raise ValueError(f"epoch_iterator: epoch must be an int >= 0, got {epoch!r}")
         if not _is_int(skip_batches) or skip_batches < 0:
             raise ValueError(f"epoch_iterator: skip_batches must be an int >= 0, got {skip_batches!r}")
-        return EpochIterator(self, int(epoch), int(skip_batches), output_numpy)
+        return EpochIterator(self, int(epoch), int(skip_batches), output_numpy, with_validity=bool(with_validity))
 
     def create_tuple_iterator(self, columns=None, num_epochs=-1, output_numpy=False, do_copy=True):
         """An iterator of rows as tuples; each pass (for loop) over it is the dataset's next epoch.
@@ -282,7 +331,7 @@ class MapDataset(Dataset):
     def _thunks(self, epoch):
         num_shards, shard_id = self._shards
         for pos, thunk in enumerate(self.input_dataset._thunks(epoch)):
-            yield functools.partial(self._apply, thunk, epoch, pos * num_shards + shard_id)
+            yield Thunk(self._apply, (thunk, epoch, pos * num_shards + shard_id), _valid(thunk))
 
     def _apply(self, thunk, epoch, index):
         row = thunk()
@@ -369,7 +418,7 @@ class BatchDataset(Dataset):
             chunk = list(itertools.islice(rows, self._batch_size))
             if not chunk or (self._drop_remainder and len(chunk) < self._batch_size):
                 return
-            yield functools.partial(self._stack, chunk, b)
+            yield Thunk(self._stack, (chunk, b), numpy.array([_valid(t) for t in chunk]))
 
     def _stack(self, chunk, b):
         source = chunk[0].source if isinstance(chunk[0], Take) else None

@@ -4,30 +4,73 @@ Rows are loaded by a bounded background thread (prefetch.py) and become Tensors 
 """
 import numbers
 
+import numpy
+
 from ..tensor import Tensor
 from .prefetch import Prefetcher
 
-__all__ = ["EpochIterator", "DatasetIterator"]
+__all__ = ["EpochIterator", "DatasetIterator", "drop_padding"]
 
 
 def _is_int(v):
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-class EpochIterator:
-    """One epoch's rows, loaded by a Prefetcher, converted to Tensors (or left as NumPy)."""
+def drop_padding(row, valid):
+    """The real rows of an item of ``epoch_iterator(..., with_validity=True)``, and how many there are.
 
-    def __init__(self, dataset, epoch, skip, output_numpy, columns=None, names=None):
-        self._rows = Prefetcher(dataset._produce(epoch, skip), name=f"minidl-prefetch-{type(dataset).__name__}")
+    Args:
+        row: the item's columns (NumPy arrays).
+        valid: its validity: a bool for an unbatched row, a bool array (one entry per row
+            along axis 0) for a batch.
+
+    Returns:
+        ``(columns, count)``: the columns restricted to the real rows (the same arrays when
+        all are real) and their number; an unbatched row counts 1, or 0 when it is a repeat.
+
+    Example:
+        >>> drop_padding((numpy.array([1, 3, 0]),), numpy.array([True, True, False]))
+        ((array([1, 3]),), 2)
+    """
+    mask = numpy.asarray(valid, dtype=bool)
+    if mask.ndim == 0:
+        return tuple(row), int(mask)
+    if mask.all():
+        return tuple(row), mask.size
+    out = []
+    for j, col in enumerate(row):
+        col = numpy.asarray(col)
+        if col.shape[:mask.ndim] != mask.shape:
+            raise ValueError(f"drop_padding: column {j} has shape {col.shape}, but the batch's validity has shape "
+                             f"{mask.shape}; a map after batch must keep one row per batch entry along axis 0")
+        out.append(col[mask])
+    return tuple(out), int(mask.sum())
+
+
+class EpochIterator:
+    """One epoch's rows, loaded by a Prefetcher, converted to Tensors (or left as NumPy).
+
+    With ``with_validity`` it yields ``(row, valid)`` pairs (see ``Dataset.epoch_iterator``).
+    """
+
+    def __init__(self, dataset, epoch, skip, output_numpy, columns=None, names=None, with_validity=False):
+        self._rows = Prefetcher(dataset._produce(epoch, skip, with_validity),
+                                name=f"minidl-prefetch-{type(dataset).__name__}")
         self._output_numpy = output_numpy
         self._columns = columns
         self._names = names
+        self._with_validity = with_validity
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        row = next(self._rows)
+        if self._with_validity:
+            row, valid = next(self._rows)
+            return self._finish(row), valid
+        return self._finish(next(self._rows))
+
+    def _finish(self, row):
         if self._columns is not None:
             row = tuple(row[i] for i in self._columns)
         if not self._output_numpy:

@@ -19,7 +19,8 @@ _FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
-_USAGE_SPLITS = {"train": ("train",), "test": ("test",), "all": ("train", "test")}
+# MindSpore reads the files in name order, so "all" is t10k (test) before train.
+_USAGE_SPLITS = {"train": ("train",), "test": ("test",), "all": ("test", "train")}
 
 
 def _find(folder, name):
@@ -95,7 +96,8 @@ def load_mnist(dataset_dir, usage="train"):
     Args:
         dataset_dir: the folder holding ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
             ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte`` (each may end in ``.gz``).
-        usage: "train", "test" or "all" (train, then test).
+        usage: "train", "test" or "all" (test, then train, as MindSpore orders them); None
+            means "all".
 
     Returns:
         (images, labels): uint8 of shape (N, 28, 28, 1) (HWC, as MindSpore) and int32 of shape (N,).
@@ -105,7 +107,7 @@ def load_mnist(dataset_dir, usage="train"):
         >>> images.shape  # doctest: +SKIP
         (10000, 28, 28, 1)
     """
-    usage = "train" if usage is None else usage
+    usage = "all" if usage is None else usage  # MindSpore: no usage means every file
     if usage not in _USAGE_SPLITS:
         raise ValueError(f"MnistDataset: usage must be 'train', 'test' or 'all', got {usage!r}")
     folder = os.fspath(dataset_dir)
@@ -124,13 +126,14 @@ class MnistDataset(NumpySlicesDataset):
 
     Args:
         dataset_dir: the folder holding the four IDX files (each may be gzipped).
-        usage: "train" (default, 60000 images), "test" (10000) or "all" (train, then test).
+        usage: "train" (60000 images), "test" (10000) or "all" (70000: test, then train, in
+            MindSpore's order); the default, None, means "all", as in MindSpore.
         num_samples: at most this many rows per shard and epoch (default: all).
         num_parallel_workers: accepted for MindSpore compatibility and ignored (files are read
             once, up front).
         shuffle: reshuffle every epoch, from (seed, epoch) only (default True, as MindSpore).
-        num_shards: split every epoch into this many shards (default: the data-parallel world
-            once parallel training is initialised, else none).
+        num_shards: split every epoch into this many shards (default: none; under data
+            parallelism pass the group size, e.g. ``get_group_size()``, as in MindSpore).
         shard_id: the shard this dataset yields, 0 <= shard_id < num_shards.
         shard_mode: "pad" (equal shard lengths, wrapping around, for training) or "exact"
             (every sample exactly once over all shards, for evaluation).
@@ -144,7 +147,7 @@ class MnistDataset(NumpySlicesDataset):
                  num_shards=None, shard_id=None, shard_mode="pad", seed=None):
         images, labels = load_mnist(dataset_dir, usage)
         self.dataset_dir = os.fspath(dataset_dir)
-        self.usage = "train" if usage is None else usage
+        self.usage = "all" if usage is None else usage
         super().__init__({"image": images, "label": labels}, column_names=["image", "label"],
                          num_samples=num_samples, shuffle=shuffle, num_shards=num_shards, shard_id=shard_id,
                          shard_mode=shard_mode, seed=seed)

@@ -10,9 +10,15 @@ stop event; the producer checks it between items and while it waits for room in 
 closes its source iterator (so generator ``finally`` blocks run) and exits; ``close()`` joins
 it. An exception raised in the producer travels through the queue and is raised again by the
 consumer, with the producer's traceback.
+
+The producer runs under the local runtime (minidl/runtime.py): a pipeline's map functions
+compute on this process's own samples, so minidl ops they call are never dispatched as
+tensor-parallel ops, whatever runtime the training thread has.
 """
 import queue
 import threading
+
+from ..runtime import LOCAL
 
 __all__ = ["Prefetcher", "set_prefetch_size", "get_prefetch_size"]
 
@@ -65,6 +71,7 @@ def _produce(iterator, q, stop):
     # A module-level function, so the thread holds no reference to the Prefetcher: the
     # consumer's last reference going away is what triggers the shutdown.
     try:
+        LOCAL.__enter__()  # this thread's runtime, for its whole life (it exits with the thread)
         while not stop.is_set():  # checked before each item, so a stop costs no extra work
             try:
                 item = next(iterator)

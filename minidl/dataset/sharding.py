@@ -11,17 +11,23 @@ ranks agree without communicating. The order of an epoch is ``permutation(n)`` d
 - ``"exact"`` (evaluation): no padding; shards are disjoint, their lengths differ by at most
   one, and their union is the dataset exactly once.
 
-``num_samples`` caps the rows of each shard after the split. When neither num_shards nor
-shard_id is given, a source asks :func:`get_default_shards`, which ``minidl_parallel.init``
-fills in through :func:`set_default_shards` (minidl itself never imports minidl_parallel).
+``num_samples`` caps the rows of each shard after the split.
+
+Sharding is only ever what the user asks for: a source given neither num_shards nor shard_id
+reads every row, on every rank, as in MindSpore and PyTorch. A data-parallel script shards
+its datasets itself, ``num_shards=get_group_size(), shard_id=get_rank()``.
+
+Padding repeats are marked. In "pad" mode the positions >= n of the wrapped order are
+repeats of rows another position already holds; :func:`real_count` says how many leading
+rows of a shard are real, and sources tag the rest, so that evaluation can count every row
+of the dataset exactly once (``Dataset.epoch_iterator(..., with_validity=True)``).
 """
 import numbers
 
 import numpy
 
-__all__ = ["set_default_shards", "get_default_shards", "resolve_shards", "check_shard_mode",
-           "check_num_samples", "epoch_order", "shard_indices", "shard_size", "shard_stream",
-           "SHARD_MODES"]
+__all__ = ["resolve_shards", "check_shard_mode", "check_num_samples", "epoch_order", "shard_indices",
+           "shard_size", "real_count", "shard_stream", "SHARD_MODES"]
 
 SHARD_MODES = ("pad", "exact")
 
@@ -29,33 +35,6 @@ SHARD_MODES = ("pad", "exact")
 # generators use 4 words, and numpy's SeedSequence treats [a, b] and [a, b, 0, 0] alike, so a
 # shorter key could collide with some row's transform key.
 _ORDER_TAG = 1
-
-_default = {"shards": None}
-
-
-def set_default_shards(num_shards, shard_id=None):
-    """Sets the (num_shards, shard_id) that sources use when given neither; None, None clears it.
-
-    Called by the parallel package's ``init()`` with the world size and the rank. ``num_shards``
-    may instead be a zero-argument callable returning (num_shards, shard_id) or None, asked at
-    each lookup (the threads backend gives every thread-rank its own shards that way).
-    """
-    if callable(num_shards) and shard_id is None:
-        _default["shards"] = num_shards
-        return
-    if num_shards is None and shard_id is None:
-        _default["shards"] = None
-        return
-    _default["shards"] = _validate(num_shards, shard_id, "set_default_shards")
-
-
-def get_default_shards():
-    """The (num_shards, shard_id) pair set by :func:`set_default_shards`, or None (no sharding)."""
-    shards = _default["shards"]
-    if callable(shards):
-        pair = shards()
-        return None if pair is None else _validate(*pair, "set_default_shards provider")
-    return shards
 
 
 def _is_int(v):
@@ -80,13 +59,13 @@ def _validate(num_shards, shard_id, who):
 
 
 def resolve_shards(num_shards, shard_id, who):
-    """The validated (num_shards, shard_id) a source uses: the given pair, else the default, else (1, 0).
+    """The validated (num_shards, shard_id) a source uses: the given pair, or (1, 0) when neither is given.
 
     Args:
         who: the caller's name for error messages (e.g. "NumpySlicesDataset").
     """
     if num_shards is None and shard_id is None:
-        return get_default_shards() or (1, 0)
+        return 1, 0
     return _validate(num_shards, shard_id, who)
 
 
@@ -122,6 +101,19 @@ def shard_size(n, num_shards, shard_id, mode="pad", num_samples=None):
     return size if num_samples is None else min(size, num_samples)
 
 
+def real_count(n, num_shards, shard_id):
+    """How many leading rows of shard ``shard_id`` are real; in "pad" mode the rest repeat other rows.
+
+    Shard k reads the positions k, k + num_shards, ... of the (wrapped) order; those < n are
+    real. This is the shard's "exact" size, whatever ``num_samples`` later keeps.
+
+    Example:
+        >>> real_count(5, 2, 1)   # pad: shard 1 reads positions 1 3 5, and 5 wraps around to row 0
+        2
+    """
+    return shard_size(n, num_shards, shard_id, mode="exact")
+
+
 def shard_indices(n, num_shards=1, shard_id=0, *, shuffle=False, seed=0, epoch=0, mode="pad", num_samples=None):
     """The sample indices shard ``shard_id`` reads in ``epoch``, in reading order.
 
@@ -137,13 +129,17 @@ def shard_indices(n, num_shards=1, shard_id=0, *, shuffle=False, seed=0, epoch=0
     return order[shard_id::num_shards][:num_samples]
 
 
-def shard_stream(rows, num_shards=1, shard_id=0, mode="pad", num_samples=None):
+def shard_stream(rows, num_shards=1, shard_id=0, mode="pad", num_samples=None, with_validity=False):
     """Shards a stream of unknown length the way :func:`shard_indices` shards arange(n).
 
     Shard k keeps the rows at positions k, k + num_shards, ... In "pad" mode it also keeps the
     first num_shards - 1 rows, so that at the end of the stream, when n is known, it can wrap
     around exactly as ``shard_indices`` does.
+
+    Args:
+        with_validity: yield (row, real) pairs, real False for the rows the wrap-around repeats.
     """
+    tag = (lambda row, real: (row, real)) if with_validity else (lambda row, real: row)
     head_len = num_shards - 1 if mode == "pad" else 0
     head = []
     n = 0
@@ -152,7 +148,7 @@ def shard_stream(rows, num_shards=1, shard_id=0, mode="pad", num_samples=None):
         if n < head_len:
             head.append(row)
         if n % num_shards == shard_id:
-            yield row
+            yield tag(row, True)
             taken += 1
             if taken == num_samples:
                 return
@@ -160,7 +156,7 @@ def shard_stream(rows, num_shards=1, shard_id=0, mode="pad", num_samples=None):
     if mode == "pad" and n:
         for pos in range(n, -(-n // num_shards) * num_shards):
             if pos % num_shards == shard_id:
-                yield head[pos % n]
+                yield tag(head[pos % n], False)
                 taken += 1
                 if taken == num_samples:
                     return

@@ -4,16 +4,20 @@ A random-access source (arrays, or an object with ``__getitem__`` and ``__len__`
 epoch in the order :func:`sharding.shard_indices` gives: shuffled from (seed, epoch), split
 across shards, padded or exact. A pure iterable can only be read front to back, so it is
 sharded by position (every num_shards-th row, with the same padding) and shuffled only
-through ``.shuffle(buffer_size)``.
+through ``.shuffle(buffer_size)``. Either way the rows that "pad" mode repeats are marked
+(their thunks' ``valid`` is False; see engine.py).
+
+A source is sharded only when given num_shards and shard_id; otherwise it reads every row,
+also under data parallelism (shard explicitly: ``num_shards=get_group_size(),
+shard_id=get_rank()``).
 """
-import functools
 import numbers
 
 import numpy
 
 from ..backend import get_seed
-from .engine import Dataset, Take
-from .sharding import (check_num_samples, check_shard_mode, resolve_shards, shard_indices, shard_size,
+from .engine import Dataset, Take, Thunk
+from .sharding import (check_num_samples, check_shard_mode, real_count, resolve_shards, shard_indices, shard_size,
                        shard_stream)
 
 __all__ = ["SourceDataset", "NumpySlicesDataset", "GeneratorDataset"]
@@ -46,12 +50,9 @@ class SourceDataset(Dataset):
         self._seed = _seed(seed, who)
 
     @property
-    def num_shards(self):
-        return self._shards[0]
-
-    @property
-    def shard_id(self):
-        return self._shards[1]
+    def shard_mode(self):
+        """How the shards split the rows: "pad" or "exact" (see sharding.py)."""
+        return self._shard_mode
 
     def get_col_names(self):
         return list(self._col_names)
@@ -67,8 +68,9 @@ class SourceDataset(Dataset):
         return shard_size(self._n, *self._shards, mode=self._shard_mode, num_samples=self._num_samples)
 
     def _thunks(self, epoch):
-        for i in self._indices(epoch).tolist():
-            yield Take(self, i)
+        real = real_count(self._n, *self._shards)  # the shard's rows from this position on repeat others
+        for pos, i in enumerate(self._indices(epoch).tolist()):
+            yield Take(self, i, pos < real)
 
 
 def _column_names(column_names, count, who):
@@ -98,8 +100,8 @@ class NumpySlicesDataset(SourceDataset):
         num_parallel_workers: accepted for MindSpore compatibility and ignored.
         shuffle: reshuffle every epoch from (seed, epoch) (default True).
         num_shards, shard_id: read shard ``shard_id`` of ``num_shards`` (see sharding.py);
-            default: ``sharding.get_default_shards()``, i.e. the data-parallel rank once
-            parallel training is initialised, else no sharding.
+            give both or neither. Default: no sharding, every row (also under data
+            parallelism: pass ``num_shards=get_group_size(), shard_id=get_rank()``).
         shard_mode: "pad" (equal shard lengths, wrapping around) or "exact" (for evaluation).
         seed: the seed of the shuffle and of random transforms (default: minidl.get_seed()
             when the dataset is made, or 0).
@@ -263,5 +265,6 @@ class GeneratorDataset(SourceDataset):
         if self._random_access:
             yield from super()._thunks(epoch)
             return
-        for value in shard_stream(self._open(), *self._shards, mode=self._shard_mode, num_samples=self._num_samples):
-            yield functools.partial(self._as_row, value)
+        for value, real in shard_stream(self._open(), *self._shards, mode=self._shard_mode,
+                                        num_samples=self._num_samples, with_validity=True):
+            yield Thunk(self._as_row, (value,), real)

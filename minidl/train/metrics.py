@@ -5,6 +5,13 @@ A metric accumulates over batches: ``clear()``, then ``update(...)`` once per ba
 ``Model(metrics=...)`` takes a set or list of names ({"accuracy", "loss"}) or a dict
 name -> Metric, as MindSpore's ``Model`` does.
 
+Every built-in metric keeps *sufficient statistics*, counts and sums that add up across
+data-parallel ranks: ``statistics()`` returns them as a float64 vector and
+``finish(statistics)`` computes the value from them (``eval()`` is
+``finish(statistics())``). ``Model.eval`` on a dataset sharded over the ranks adds the
+ranks' vectors once at the end and finishes from the sums, so every rank returns the whole
+dataset's value, not its shard's. A custom metric joins in by defining both methods.
+
 Example:
     >>> acc = Accuracy("classification")
     >>> acc.clear(); acc.update(logits, labels); acc.eval()
@@ -18,7 +25,7 @@ from .. import backend
 from ..tensor import Tensor
 
 __all__ = ["Metric", "Accuracy", "Loss", "TopKCategoricalAccuracy", "Top1CategoricalAccuracy",
-           "Top5CategoricalAccuracy", "get_metric_fn", "get_metrics", "names"]
+           "Top5CategoricalAccuracy", "get_metric_fn", "get_metrics", "names", "has_statistics"]
 
 
 def _host(who, name, x):
@@ -66,6 +73,20 @@ class Metric:
         self.update(*inputs)
         return self.eval()
 
+    def statistics(self):
+        """The sufficient statistics accumulated so far: a 1-d float64 array that adds up across ranks.
+
+        Counts and sums qualify, a ratio does not: a sharded ``Model.eval`` sums every rank's
+        array (``minidl.runtime.get_runtime().sum_over_ranks``) and calls :meth:`finish` on the
+        sums. A metric without statistics can only be evaluated where every rank reads the
+        whole dataset.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not define statistics() and finish(statistics)")
+
+    def finish(self, statistics):
+        """The metric's value from ``statistics``: this rank's (``eval()``) or summed over ranks."""
+        raise NotImplementedError(f"{type(self).__name__} does not define statistics() and finish(statistics)")
+
     def _check_inputs(self, inputs, n):
         if len(inputs) != n:
             what = "(predictions, labels)" if n == 2 else "(loss,)"
@@ -74,6 +95,20 @@ class Metric:
     def _empty(self):
         return RuntimeError(f"{type(self).__name__}: cannot be calculated, because the number of samples is 0; "
                             f"call update() before eval()")
+
+
+def has_statistics(metric):
+    """Whether ``metric`` defines both ``statistics()`` and ``finish(statistics)`` (so ranks can add them up)."""
+    cls = type(metric)
+    return cls.statistics is not Metric.statistics and cls.finish is not Metric.finish
+
+
+def _ratio(metric, statistics):
+    """numerator / denominator of a (count, total) statistics pair; raises when total is 0."""
+    hits, total = (float(v) for v in statistics)
+    if total == 0:
+        raise metric._empty()
+    return hits / total
 
 
 def _class_labels(who, y_pred, y):
@@ -127,15 +162,26 @@ class Accuracy(Metric):
         self._correct_num += int(correct.sum())
         self._total_num += int(correct.shape[0])
 
+    def statistics(self):
+        """[correct samples, samples]."""
+        return numpy.array([self._correct_num, self._total_num], dtype=numpy.float64)
+
+    def finish(self, statistics):
+        return _ratio(self, statistics)
+
     def eval(self):
         """The accuracy so far, a float in [0, 1]."""
-        if self._total_num == 0:
-            raise self._empty()
-        return self._correct_num / self._total_num
+        return self.finish(self.statistics())
 
 
 class Loss(Metric):
-    """The mean of the losses given to ``update`` (each batch's loss is first averaged)."""
+    """The weighted mean of the losses given to ``update`` (each batch's loss is first averaged).
+
+    Each update weighs ``rows`` (default 1, MindSpore's mean of the batch means).
+    ``Model.eval`` passes every batch's number of rows, so its "loss" is the mean loss per
+    sample: the same however the dataset is batched or sharded over ranks (the mean of the
+    batch means would give a smaller last batch more weight than its rows have).
+    """
 
     def __init__(self):
         super().__init__()
@@ -145,20 +191,32 @@ class Loss(Metric):
         self._sum_loss = 0.0
         self._total_num = 0
 
-    def update(self, *inputs):
-        """Adds a batch: ``update(loss)`` with loss a scalar or a 1-D array."""
+    def update(self, *inputs, rows=None):
+        """Adds a batch: ``update(loss)`` with loss a scalar or a 1-D array (averaged first).
+
+        Args:
+            rows: the weight of this batch, its number of samples (default 1).
+        """
         self._check_inputs(inputs, 1)
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or rows < 0):
+            raise ValueError(f"Loss.update: rows must be None or an int >= 0, got {rows!r}")
         loss = _host("Loss.update", "loss", inputs[0])
         if loss.ndim > 1:
             raise ValueError(f"Loss.update: loss must be a scalar or 1-D, got shape {loss.shape}")
-        self._sum_loss += float(loss.mean()) if loss.size else 0.0
-        self._total_num += 1
+        weight = 1 if rows is None else int(rows)
+        self._sum_loss += float(loss.mean()) * weight if loss.size else 0.0
+        self._total_num += weight
+
+    def statistics(self):
+        """[sum of the batch losses times their rows, rows]."""
+        return numpy.array([self._sum_loss, self._total_num], dtype=numpy.float64)
+
+    def finish(self, statistics):
+        return _ratio(self, statistics)
 
     def eval(self):
         """The average loss so far."""
-        if self._total_num == 0:
-            raise self._empty()
-        return self._sum_loss / self._total_num
+        return self.finish(self.statistics())
 
 
 class TopKCategoricalAccuracy(Metric):
@@ -191,11 +249,16 @@ class TopKCategoricalAccuracy(Metric):
         self._correct_num += int((top == y[:, None]).any(axis=1).sum())
         self._samples_num += int(y.shape[0])
 
+    def statistics(self):
+        """[samples whose class is in the top k, samples]."""
+        return numpy.array([self._correct_num, self._samples_num], dtype=numpy.float64)
+
+    def finish(self, statistics):
+        return _ratio(self, statistics)
+
     def eval(self):
         """The top-k accuracy so far, a float in [0, 1]."""
-        if self._samples_num == 0:
-            raise self._empty()
-        return self._correct_num / self._samples_num
+        return self.finish(self.statistics())
 
 
 class Top1CategoricalAccuracy(TopKCategoricalAccuracy):

@@ -34,12 +34,16 @@ Example:
 """
 import numbers
 
+import numpy
+
 from ..autograd import value_and_grad
+from ..dataset import Dataset
+from ..dataset.iterators import drop_padding
 from ..runtime import get_runtime
 from ..tensor import Tensor, no_grad
 from .callbacks import CallbackList, CallbackParam, RunContext
 from .checkpoint import restore_train_state
-from .metrics import Loss, get_metrics
+from .metrics import Loss, get_metrics, has_statistics
 from .progress import MetricsLogger, ProgressBar, use_progress_bar
 
 __all__ = ["Model"]
@@ -250,7 +254,9 @@ class Model:
             resume_from: a checkpoint written by ModelCheckpoint: parameters, optimizer
                 state, position and random state are restored, and training continues
                 after its last step (on CPU bit-identically to a run never interrupted).
-            log_file: path of a JSON-lines metrics log (appended to when resuming).
+            log_file: path of a JSON-lines metrics log (appended to when resuming), written by
+                rank 0 alone under data parallelism; ``{rank}`` in the path gives every rank
+                its own file instead (see :class:`~minidl.train.progress.MetricsLogger`).
             progress: True / False for a tqdm progress bar; None: only on a terminal.
         """
         self._run(epoch, train_dataset, None, 1, callbacks, dataset_sink_mode, resume_from, log_file, progress)
@@ -348,15 +354,31 @@ class Model:
     def eval(self, valid_dataset, callbacks=None, dataset_sink_mode=False):
         """Evaluates the metrics over one pass of ``valid_dataset`` (inference mode, no grad).
 
+        Under data parallelism a dataset sharded over the ranks (``num_shards=get_group_size(),
+        shard_id=get_rank()``) is evaluated as one: each rank runs its shard, the metrics'
+        statistics (minidl/train/metrics.py) are added over the ranks once, at the end, and
+        every rank returns the whole dataset's values. The rows that "pad" sharding repeats are
+        left out, so each row counts once, exactly as in one process. A dataset that every rank
+        reads whole is evaluated by each rank on its own, without communicating.
+
         Returns:
             dict metric name -> value.
+
+        Raises:
+            ValueError: the dataset is split into a number of shards other than the number
+                of ranks, or two ranks read the same shard.
+            TypeError: a metric without statistics in a sharded evaluation.
         """
         if not self._metric_fns:
             raise ValueError("Model.eval: no metrics to evaluate; pass metrics= (e.g. {'accuracy'}) to Model")
-        self._check_dataset("eval", "valid_dataset", valid_dataset, for_training=False)
+        # In a sharded evaluation a rank's shard may be empty ("exact" mode, fewer rows than
+        # ranks): that rank still adds its (zero) statistics, or the others would wait for it.
+        if not (self._sums_over_ranks(valid_dataset) and valid_dataset.get_dataset_size() == 0):
+            self._check_dataset("eval", "valid_dataset", valid_dataset, for_training=False)
         return self._evaluate(valid_dataset, callbacks)
 
     def _evaluate(self, dataset, callbacks):
+        summed = self._sums_over_ranks(dataset)
         cbs = CallbackList(callbacks, "Model.eval")
         batch_num = dataset.get_dataset_size()
         cb_params = CallbackParam(eval_network=self._eval_network or self._network, network=self._network,
@@ -368,18 +390,33 @@ class Model:
         self._network.set_train(False)
         if self._eval_network is not None and hasattr(self._eval_network, "set_train"):
             self._eval_network.set_train(False)
+        # minidl's datasets mark the rows that "pad" sharding repeats, which are left out, and
+        # tell a batch (rows counted) from a row (1); a dataset with only the contract's methods
+        # is read as before, a batch's rows counted along axis 0 of its first column.
+        marked = isinstance(dataset, Dataset)
         with cbs, no_grad():
             cbs.on_eval_begin(run_context)
             cbs.on_eval_epoch_begin(run_context)
-            it = dataset.epoch_iterator(0, skip_batches=0, output_numpy=False)
+            if marked:
+                it = dataset.epoch_iterator(0, skip_batches=0, output_numpy=True, with_validity=True)
+            else:
+                it = dataset.epoch_iterator(0, skip_batches=0, output_numpy=False)
             try:
-                for row in it:
+                for item in it:
+                    if marked:
+                        row, rows = drop_padding(*item)
+                        if rows == 0:  # a batch of repeats only: nothing to count
+                            continue
+                    else:
+                        row, rows = item, None
                     row = tuple(_as_tensor(x) for x in (row if isinstance(row, (tuple, list)) else (row,)))
+                    if rows is None:
+                        rows = int(row[0].shape[0]) if row and row[0].ndim else 1
                     cb_params.cur_step_num += 1
                     cbs.on_eval_step_begin(run_context)
                     outputs = self._eval_outputs(row)
                     cb_params.net_outputs = outputs
-                    self._update_metrics(outputs)
+                    self._update_metrics(outputs, rows)
                     cbs.on_eval_step_end(run_context)
                     if run_context.get_stop_requested():
                         break
@@ -387,10 +424,55 @@ class Model:
                 close = getattr(it, "close", None)
                 if close is not None:
                     close()
-            results = {name: m.eval() for name, m in self._metric_fns.items()}
+            results = self._metric_values(dataset, summed)
             cb_params.metrics = results
             cbs.on_eval_epoch_end(run_context)
             cbs.on_eval_end(run_context)
+        return results
+
+    def _sums_over_ranks(self, dataset):
+        """Whether the ranks evaluate disjoint shards of ``dataset``, whose statistics must be added up.
+
+        Decided from the dataset's own sharding, checked before any batch so that every rank
+        raises alike instead of some waiting in the collective.
+        """
+        num_shards = getattr(dataset, "num_shards", 1)
+        size = get_runtime().group_size()
+        if size <= 1 or num_shards <= 1:
+            return False  # one process, or every rank reads (and evaluates) the whole dataset
+        if num_shards != size:
+            raise ValueError(f"Model.eval: the dataset is split into num_shards={num_shards} shards, but the runtime "
+                             f"has group_size()={size} ranks; shard it with num_shards=get_group_size(), "
+                             f"shard_id=get_rank() (each rank evaluates its shard and the results are combined), "
+                             f"or not at all (each rank evaluates every row)")
+        missing = [f"{name!r} ({type(m).__name__})" for name, m in self._metric_fns.items() if not has_statistics(m)]
+        if missing:
+            raise TypeError(f"Model.eval: metric {', '.join(missing)} cannot be combined over the {size} ranks of a "
+                            f"sharded evaluation: it defines no statistics() and finish(statistics) (see "
+                            f"minidl.train.metrics.Metric); define them, or evaluate a dataset every rank reads whole")
+        return True
+
+    def _metric_values(self, dataset, summed):
+        if not summed:
+            return {name: m.eval() for name, m in self._metric_fns.items()}
+        names = list(self._metric_fns)
+        stats = [numpy.asarray(self._metric_fns[name].statistics(), dtype=numpy.float64).ravel() for name in names]
+        # One collective, after the loop, so that ranks with different numbers of batches meet
+        # exactly once. A one-hot of shard_id rides along: the sums show whether every shard
+        # was read by exactly one rank (two ranks reading one shard would count its rows twice).
+        num_shards = dataset.num_shards
+        read = numpy.zeros(num_shards)
+        read[dataset.shard_id] = 1.0
+        total = numpy.asarray(get_runtime().sum_over_ranks(numpy.concatenate([read] + stats)))
+        readers = total[:num_shards]
+        if not (readers == 1).all():
+            raise ValueError(f"Model.eval: each of the {num_shards} shards must be read by exactly one rank, but "
+                             f"the ranks read them {readers.astype(int).tolist()} times (by shard_id); pass "
+                             f"shard_id=get_rank()")
+        results, at = {}, num_shards
+        for name, part in zip(names, stats):
+            results[name] = self._metric_fns[name].finish(total[at:at + part.size])
+            at += part.size
         return results
 
     def _eval_outputs(self, row):
@@ -402,18 +484,20 @@ class Model:
         loss = self._loss_fn(logits, label)
         return loss, logits, label
 
-    def _update_metrics(self, outputs):
+    def _update_metrics(self, outputs, rows):
+        """Updates every metric with one batch's outputs; ``rows``, its number of samples, weighs the Loss."""
         idx = self._eval_indexes
         if idx is not None and len(outputs) <= max(idx):
             raise ValueError(f"Model.eval: eval_indexes {idx} need at least {max(idx) + 1} outputs from the eval "
                              f"network, got {len(outputs)}")
         for metric in self._metric_fns.values():
+            weight = {"rows": rows} if isinstance(metric, Loss) else {}
             if metric.indexes is not None:
-                metric.update(*[outputs[i] for i in metric.indexes])
+                metric.update(*[outputs[i] for i in metric.indexes], **weight)
             elif idx is None:
-                metric.update(*outputs)
+                metric.update(*outputs, **weight)
             elif isinstance(metric, Loss):
-                metric.update(outputs[idx[0]])
+                metric.update(outputs[idx[0]], **weight)
             else:
                 metric.update(outputs[idx[1]], outputs[idx[2]])
 

@@ -14,15 +14,25 @@ written and flushed as training goes, so it can be followed (``tail -f``) and pl
 Step records have ``epoch`` (1-based), ``step`` (global, 1-based), ``loss`` and ``time``
 (Unix seconds); the record closing an epoch has ``epoch_time`` (seconds) instead of
 ``loss``, and ``eval`` when the epoch was evaluated (``Model.fit``).
+
+A log file has exactly one writer. Under data parallelism (``mpirun -n 8``, or the threads
+world of tests) only rank 0 writes it, with rank 0's losses; a path holding ``{rank}``
+(``log_file="train.{rank}.jsonl"``) gives every rank its own file instead. The rank is the
+active runtime's (minidl/runtime.py), asked when the file is opened. The progress bar, too,
+is drawn by rank 0 only.
 """
 import json
 import math
+import os
 import sys
 import time
 
 import numpy
 
+from ..runtime import get_runtime
 from .callbacks import Callback, loss_value
+
+RANK_PLACEHOLDER = "{rank}"
 
 __all__ = ["ProgressBar", "MetricsLogger", "tqdm_available", "use_progress_bar"]
 
@@ -83,6 +93,8 @@ class ProgressBar(Callback):
         self._last = 0.0
 
     def on_train_epoch_begin(self, run_context):
+        if get_runtime().rank() != 0:  # one bar for the whole job, not one per rank
+            return
         cb = run_context.original_args()
         done = cb.get("cur_step_in_epoch", 0) or 0
         self._bar = self._tqdm(total=cb.batch_num, initial=done, desc=f"epoch {cb.cur_epoch_num}/{cb.epoch_num}",
@@ -119,18 +131,32 @@ class ProgressBar(Callback):
 class MetricsLogger(Callback):
     """Appends one JSON object per step (and per epoch) to a file, flushed line by line.
 
+    Only rank 0 writes ``path`` (other ranks log nothing), unless ``path`` holds ``{rank}``:
+    then each rank writes its own file, the placeholder replaced by its rank. The rank is
+    the active runtime's when the file is opened, never the one at construction.
+
     Args:
-        path: the log file.
+        path: the log file (str or path-like); ``{rank}`` in it: one file per rank.
         mode: "w" starts a new log, "a" appends (Model.train appends when resuming).
+
+    Example:
+        >>> model.train(2, ds, log_file="train.jsonl")          # rank 0's log
+        >>> model.train(2, ds, log_file="train.{rank}.jsonl")   # train.0.jsonl, train.1.jsonl, ...
     """
 
     def __init__(self, path, mode="w"):
         super().__init__()
         if mode not in ("w", "a"):
             raise ValueError(f"MetricsLogger: mode must be 'w' or 'a', got {mode!r}")
+        try:
+            path = os.fspath(path)
+        except TypeError:
+            raise TypeError(f"MetricsLogger: path must be a str or a path-like object, got {type(path).__name__}") \
+                from None
         self.path = path
         self._mode = mode
         self._file = None
+        self._writer = None  # whether this rank writes, decided when the file is opened
         self._epoch_start = None
 
     def __enter__(self):
@@ -141,22 +167,36 @@ class MetricsLogger(Callback):
         if self._file is not None:
             self._file.close()
             self._file = None
+        self._writer = None
         return False
 
+    def rank_path(self, rank):
+        """The file rank ``rank`` writes, or None when it writes none."""
+        if RANK_PLACEHOLDER in self.path:
+            return self.path.replace(RANK_PLACEHOLDER, str(rank))
+        return self.path if rank == 0 else None
+
     def _open(self):
-        if self._file is None:
-            self._file = open(self.path, self._mode, encoding="utf-8")
-            self._mode = "a"  # a second train() call continues the same log
+        if self._writer is None:
+            path = self.rank_path(get_runtime().rank())
+            self._writer = path is not None
+            if self._writer:
+                self._file = open(path, self._mode, encoding="utf-8")
+                self._mode = "a"  # a second train() call continues the same log
 
     def _write(self, record):
         self._open()
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._writer:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
 
     def on_train_epoch_begin(self, run_context):
         self._epoch_start = time.perf_counter()
 
     def on_train_step_end(self, run_context):
+        self._open()
+        if not self._writer:
+            return  # reading the loss would wait for the device for nothing
         cb = run_context.original_args()
         loss = loss_value(cb.net_outputs)
         self._write({"epoch": cb.cur_epoch_num, "step": cb.cur_step_num,

@@ -35,18 +35,6 @@ def test_data_parallel_model_train_equals_one_process_under_mpirun(n):
         [f"rank {r}: ok" for r in range(n)]
 
 
-def test_resnet_example_trains_data_parallel_under_mpirun():
-    proc = mpirun(2, ROOT / "examples" / "resnet_cifar.py", "--epochs", "1", "--num-samples", "64",
-                  "--batch-size", "16", "--device", "CPU", timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
-    assert "rank 0 of 2: data parallel, global batch 32" in out and "rank 1 of 2" in out
-    # 64 samples, 2 shards of 32, batch 16: 2 steps per rank, each printed by both ranks.
-    assert out.count("2 steps per epoch") == 2
-    assert out.count("epoch: 1 step: 1, loss is") == 2 and out.count("epoch: 1 step: 2, loss is") == 2
-    assert out.count("train accuracy:") == 2
-
-
 def test_hostfile_launch_runs_the_ranks_it_lists(tmp_path):
     """The several-machines recipe, on one machine: mpirun --hostfile with this host's slots."""
     hosts = tmp_path / "hosts"

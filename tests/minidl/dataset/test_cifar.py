@@ -39,10 +39,12 @@ def _expected(data, names):
 
 
 @pytest.mark.parametrize("usage, names", [("train", TRAIN_FILES), ("test", TEST_FILES),
-                                          ("all", TRAIN_FILES + TEST_FILES), (None, TRAIN_FILES)])
+                                          ("all", TRAIN_FILES + TEST_FILES), (None, TRAIN_FILES + TEST_FILES),
+                                          ("default", TRAIN_FILES)])
 def test_load_cifar10_reads_every_value(cifar_root, usage, names):
     root, data = cifar_root
-    images, labels = load_cifar10(root, usage=usage) if usage else load_cifar10(root)
+    # None means "all", as in MindSpore; the array loader's own default is "train".
+    images, labels = load_cifar10(root) if usage == "default" else load_cifar10(root, usage=usage)
     want_images, want_labels = _expected(data, names)
     assert images.dtype == np.uint8 and images.shape == (len(want_labels), 32, 32, 3)
     assert labels.dtype == np.int32 and images.flags.c_contiguous and images.flags.writeable
@@ -134,6 +136,20 @@ def test_cifar10_dataset_yields_image_and_label_columns(cifar_root):
     np.testing.assert_array_equal(np.stack([r[0] for r in rows]), want_images)
     np.testing.assert_array_equal(np.array([r[1] for r in rows]), want_labels)
     assert rows[0][0].shape == (32, 32, 3) and rows[0][0].dtype == np.uint8
+
+
+def test_cifar10_dataset_without_usage_reads_train_then_test(cifar_root):
+    # MindSpore's usage=None is "all": its reader takes the .bin files in name order.
+    from minidl.dataset import Cifar10Dataset
+    root, data = cifar_root
+    ds = Cifar10Dataset(root, shuffle=False)
+    want_images, want_labels = _expected(data, TRAIN_FILES + TEST_FILES)
+    assert ds.usage == "all" and ds.get_dataset_size() == len(want_labels)
+    rows = _rows(ds)
+    np.testing.assert_array_equal(np.stack([r[0] for r in rows]), want_images)
+    np.testing.assert_array_equal(np.array([r[1] for r in rows]), want_labels)
+    assert Cifar10Dataset(root, usage="train", shuffle=False).get_dataset_size() == \
+        sum(len(data[n][1]) for n in TRAIN_FILES)
 
 
 def test_cifar10_dataset_shards_and_samples(cifar_root):

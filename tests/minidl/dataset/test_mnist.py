@@ -43,11 +43,13 @@ def mnist_dir(tmp_path_factory):
     return folder, data
 
 
-@pytest.mark.parametrize("usage", ["train", "test", "all", None])
+@pytest.mark.parametrize("usage", ["train", "test", "all", None, "default"])
 def test_load_mnist_reads_every_value(mnist_dir, usage):
     folder, data = mnist_dir
-    images, labels = load_mnist(folder, usage)
-    splits = {"train": ["train"], "test": ["test"], "all": ["train", "test"], None: ["train"]}[usage]
+    images, labels = load_mnist(folder) if usage == "default" else load_mnist(folder, usage)
+    # "all" (and None, as in MindSpore) is t10k then train: MindSpore reads the files in name order.
+    splits = {"train": ["train"], "test": ["test"], "all": ["test", "train"], None: ["test", "train"],
+              "default": ["train"]}[usage]
     want_images = np.concatenate([data[s][0] for s in splits])
     want_labels = np.concatenate([data[s][1] for s in splits])
     assert images.shape == (len(want_labels), 28, 28, 1) and images.dtype == np.uint8
@@ -153,6 +155,19 @@ def test_bad_usage(mnist_dir):
 
 
 # ---------------------------------------------------------------- the dataset
+
+def test_mnist_dataset_without_usage_reads_test_then_train(mnist_dir):
+    # As MindSpore 2.10's MnistDataset(path, shuffle=False): usage=None is "all", t10k files first.
+    from minidl.dataset import MnistDataset
+    folder, data = mnist_dir
+    ds = MnistDataset(folder, shuffle=False)
+    assert ds.usage == "all" and ds.get_dataset_size() == 120 + 300
+    rows = list(ds.create_tuple_iterator(num_epochs=1, output_numpy=True))
+    np.testing.assert_array_equal(np.stack([r[0] for r in rows])[..., 0],
+                                  np.concatenate([data["test"][0], data["train"][0]]))
+    np.testing.assert_array_equal(np.array([r[1] for r in rows]), np.concatenate([data["test"][1], data["train"][1]]))
+    assert MnistDataset(folder, usage="train", shuffle=False).get_dataset_size() == 300
+
 
 def test_mnist_dataset_columns_order_and_shards(mnist_dir):
     from minidl.dataset import MnistDataset

@@ -1,20 +1,12 @@
-"""Shard index math: the contract's properties, stream sharding, validation, the default hook."""
+"""Shard index math: the contract's properties, stream sharding, validation, no implicit sharding."""
 import collections
 
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from minidl.dataset import NumpySlicesDataset, GeneratorDataset, sharding
-from minidl.dataset.sharding import (shard_indices, shard_size, shard_stream, epoch_order, set_default_shards,
-                                     get_default_shards, resolve_shards)
-
-
-@pytest.fixture(autouse=True)
-def _no_default_shards():
-    set_default_shards(None, None)
-    yield
-    set_default_shards(None, None)
+from minidl.dataset import NumpySlicesDataset, GeneratorDataset
+from minidl.dataset.sharding import shard_indices, shard_size, shard_stream, epoch_order, resolve_shards
 
 
 def all_shards(n, num_shards, mode, **kw):
@@ -110,21 +102,13 @@ def test_bad_shard_arguments_name_the_argument(kw, exc, match):
             GeneratorDataset(list(range(4)), column_names="x", **kw)
 
 
-def test_default_shards_hook():
-    assert get_default_shards() is None
+def test_no_sharding_unless_asked():
     assert resolve_shards(None, None, "x") == (1, 0)
-    set_default_shards(3, 2)
-    assert get_default_shards() == (3, 2)
     ds = NumpySlicesDataset(np.arange(7), shuffle=False)
-    assert (ds.num_shards, ds.shard_id) == (3, 2)
-    assert [int(x[0]) for x in ds.create_tuple_iterator(output_numpy=True)] == [2, 5, 1]
-    explicit = NumpySlicesDataset(np.arange(7), shuffle=False, num_shards=1, shard_id=0)  # opting out
-    assert explicit.get_dataset_size() == 7
-    with pytest.raises(ValueError, match=r"set_default_shards: shard_id must be in \[0, 1\]"):
-        set_default_shards(2, 5)
-    set_default_shards(None, None)
-    assert NumpySlicesDataset(np.arange(7)).get_dataset_size() == 7
-    assert sharding.get_default_shards() is None
+    assert (ds.num_shards, ds.shard_id) == (1, 0) and ds.get_dataset_size() == 7
+    assert (ds.batch(2).num_shards, ds.batch(2).shard_id) == (1, 0)
+    sharded = NumpySlicesDataset(np.arange(7), shuffle=False, num_shards=3, shard_id=2).batch(2)
+    assert (sharded.num_shards, sharded.shard_id) == (3, 2)
 
 
 @given(n=st.integers(1, 30), num_shards=st.integers(1, 5), shuffle=st.booleans(), epoch=st.integers(0, 5),

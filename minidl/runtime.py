@@ -113,11 +113,13 @@ class Runtime:
     # ---- installing ---------------------------------------------------------------------------
 
     def __enter__(self):
-        self._previous = set_runtime(self, scope="thread")
+        # The runtime it replaces goes on this thread's stack, not on self: one runtime (LOCAL,
+        # say) may be entered by several threads at once, and nested in one.
+        _entered_stack().append(set_runtime(self, scope="thread"))
         return self
 
     def __exit__(self, *exc):
-        set_runtime(self._previous, scope="thread")
+        set_runtime(_entered_stack().pop(), scope="thread")
         return False
 
     def __repr__(self):
@@ -128,6 +130,13 @@ LOCAL = Runtime()
 
 _process = {"runtime": None}
 _thread = threading.local()
+
+
+def _entered_stack():
+    """This thread's runtimes replaced by ``with runtime:`` blocks still open, innermost last."""
+    if not hasattr(_thread, "entered"):
+        _thread.entered = []
+    return _thread.entered
 
 
 def get_runtime():

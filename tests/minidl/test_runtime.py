@@ -57,6 +57,45 @@ def test_thread_scope_is_per_thread_and_wins_over_the_process_scope():
     assert get_runtime() is LOCAL
 
 
+def test_one_runtime_entered_by_two_threads_at_once_and_nested_restores_each_threads_own():
+    shared, outer = Recording(), Recording()
+    inside, release = threading.Barrier(2, timeout=10), threading.Event()
+    seen = {}
+
+    def worker(name, own):
+        with own:
+            with shared:  # both threads hold `shared` at the same time
+                with shared:
+                    inside.wait()
+                    release.wait(10)
+                seen[name + " inner exit"] = get_runtime()
+            seen[name + " outer exit"] = get_runtime()
+        seen[name + " done"] = get_runtime()
+
+    threads = [threading.Thread(target=worker, args=("a", outer)), threading.Thread(target=worker, args=("b", LOCAL))]
+    for t in threads:
+        t.start()
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert seen == {"a inner exit": shared, "a outer exit": outer, "a done": LOCAL,
+                    "b inner exit": shared, "b outer exit": LOCAL, "b done": LOCAL}
+
+
+def test_dataset_map_functions_run_under_the_local_runtime_whatever_the_process_runtime():
+    from minidl import dataset as ds
+    process = Recording()
+    data = ds.NumpySlicesDataset({"x": np.arange(4, dtype=np.float32)}, shuffle=False)
+    data = data.map(lambda x: ops.relu(Tensor(x)).asnumpy(), input_columns=["x"])
+    previous = set_runtime(process, scope="process")
+    try:
+        rows = [row["x"] for row in data.create_dict_iterator(num_epochs=1, output_numpy=True)]
+    finally:
+        set_runtime(previous, scope="process")
+    np.testing.assert_array_equal(rows, [0, 1, 2, 3])
+    assert process.ops == []  # the prefetch thread ran ReLU locally, never through the process's runtime
+
+
 def test_set_runtime_checks_its_arguments():
     with pytest.raises(TypeError, match="runtime must be a minidl.runtime.Runtime or None, got int"):
         set_runtime(3)

@@ -3,8 +3,47 @@
 A recorded op node (a Primitive instance, see ops/primitive.py) carries
 ``inputs``: a tuple of (argument position, Tensor) for the arguments that need a gradient,
 and ``backward(gy)``, which returns one gradient (or None) per positional argument.
+
+As in PyTorch, a backward pass frees the graph it went through unless ``retain_graph=True``:
+each node drops what it saved for backward (arrays, ``inputs``, an instance ``backward``)
+once it has run, so activations go back to the allocator during backward and a loss kept
+for logging holds no more than its own value. A second backward through a freed node raises.
 """
+import numpy
+
 from .tensor import Tensor, Parameter
+
+_FREED_MESSAGE = ("Trying to backward through the graph a second time (or directly access saved tensors after "
+                  "they have already been freed). Saved intermediate values of the graph are freed when you call "
+                  ".backward(), value_and_grad or grad. Specify retain_graph=True if you need to backward through "
+                  "the graph a second time.")
+# What a freed node keeps: its configuration (axis, transpose_b, dtype, strategies...), so that
+# it still prints. Anything else (arrays, tensors, closures, lists) was saved for backward.
+_CONFIG_TYPES = (bool, int, float, complex, str, bytes, type, numpy.dtype)
+
+
+class _FreedInputs(tuple):
+    """The ``inputs`` of a freed node: empty, and recognisable (a node called again as an op
+    gets fresh ``inputs`` from ``Primitive.apply``, so the mark cannot outlive the graph)."""
+
+    __slots__ = ()
+
+
+_FREED = _FreedInputs()
+
+
+def _is_config(value):
+    if value is None or isinstance(value, _CONFIG_TYPES):
+        return True
+    return type(value) is tuple and all(_is_config(v) for v in value)
+
+
+def _release(node):
+    """Frees what node saved for backward; later backward passes through it raise RuntimeError."""
+    d = node.__dict__
+    for key in [k for k, v in d.items() if not _is_config(v)]:
+        del d[key]  # also an instance ``backward`` (minidl_parallel wraps nodes' backward so)
+    d["inputs"] = _FREED
 
 
 def _toposort(root):
@@ -22,6 +61,8 @@ def _toposort(root):
         stack.append((t, True))
         node = t._node
         if node is not None:
+            if node.inputs is _FREED:
+                raise RuntimeError(f"backward: {_FREED_MESSAGE} (the freed node: {type(node).__name__})")
             # Leaves go under the op parents on the stack, so each is appended after every
             # chain below it: in the reversed loop it comes right after its last consumer,
             # and on_leaf_ready fires while the rest of backward still runs.
@@ -31,7 +72,7 @@ def _toposort(root):
     return order
 
 
-def run_backward(root, gy, targets=None, on_leaf_ready=None):
+def run_backward(root, gy, targets=None, on_leaf_ready=None, retain_graph=False):
     """Propagates gy from root and returns {id(tensor): gradient array}.
 
     Args:
@@ -42,6 +83,11 @@ def run_backward(root, gy, targets=None, on_leaf_ready=None):
         on_leaf_ready: optional ``fn(tensor, grad)`` called as soon as a wanted leaf's
             gradient is final, while the rest of backward still runs (data-parallel
             reducers start their all-reduce buckets from here).
+        retain_graph: keep every node's saved state, so that the graph can be differentiated
+            again; by default each node is freed once its backward has run.
+
+    Raises:
+        RuntimeError: the graph was freed by an earlier backward pass (nothing is computed).
     """
     grads = {id(root): gy}
     owned = set()  # ids whose gradient array we allocated, so += may write into it
@@ -49,9 +95,11 @@ def run_backward(root, gy, targets=None, on_leaf_ready=None):
     leaves = {}
     for t in reversed(_toposort(root)):
         g = grads.get(id(t))
-        if g is None:
-            continue
         node = t._node
+        if g is None:
+            if node is not None and not retain_graph:
+                _release(node)  # part of the graph, though no gradient reached it
+            continue
         if node is None:
             if t.requires_grad and (wanted is None or id(t) in wanted):
                 # Reversed topological order visits a leaf after every op that uses it,
@@ -64,7 +112,10 @@ def run_backward(root, gy, targets=None, on_leaf_ready=None):
         if wanted is None or id(t) not in wanted:
             del grads[id(t)]
         in_grads = node.backward(g)
-        for position, parent in node.inputs:
+        inputs = node.inputs
+        if not retain_graph:
+            _release(node)
+        for position, parent in inputs:
             gx = in_grads[position]
             if gx is None:
                 continue
@@ -127,13 +178,16 @@ def _ones_like(a):
     return get_array_module(a).ones_like(a)
 
 
-def backward(root, gradient=None):
-    """Tensor.backward: accumulates into ``.grad`` of the leaves that require grad."""
+def backward(root, gradient=None, retain_graph=False):
+    """Tensor.backward: accumulates into ``.grad`` of the leaves that require grad.
+
+    The graph is freed on the way unless ``retain_graph`` (see ``run_backward``).
+    """
     if not root.requires_grad:
         raise RuntimeError("backward: the tensor does not require grad and has no recorded graph; "
                            "did you compute it under no_grad() or from inputs with requires_grad=False?")
     gy = _root_gradient(root, gradient, "backward")
-    _, leaves = run_backward(root, gy)
+    _, leaves = run_backward(root, gy, retain_graph=retain_graph)
     for t, g in leaves.values():
         if t.grad is None:
             t.grad = Tensor._wrap(g if g is not gy else g.copy())
@@ -170,7 +224,8 @@ def value_and_grad(fn, grad_position=None, weights=None, has_aux=False, on_grad_
     Returns:
         ``grad_fn(*args) -> (value, grads)``; grads is for the inputs, the weights, or
         ``(input_grads, weight_grads)`` when both are asked for. A single position gives a
-        Tensor, a tuple of positions a tuple.
+        Tensor, a tuple of positions a tuple. The graph behind value is freed (as after
+        ``Tensor.backward()``): value and aux keep their data, not the activations.
 
     Example:
         >>> grad_fn = value_and_grad(forward_fn, None, net.trainable_params(), has_aux=True)

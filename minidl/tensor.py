@@ -156,14 +156,18 @@ class Tensor:
         from .ops import cast
         return cast(self, dtype)
 
-    def backward(self, gradient=None):
+    def backward(self, gradient=None, retain_graph=False):
         """Accumulates d(self)/d(leaf) into ``.grad`` of every leaf that requires grad.
+
+        As in PyTorch, the graph is freed on the way (the arrays its ops saved go back to the
+        allocator), so a second backward through it raises RuntimeError.
 
         Args:
             gradient: the upstream gradient; may be omitted only for a one-element tensor.
+            retain_graph: keep the graph, to call backward through it again.
         """
         from .autograd import backward
-        backward(self, gradient)
+        backward(self, gradient, retain_graph)
 
     def zero_grad(self):
         self.grad = None
@@ -188,7 +192,12 @@ class Tensor:
         array = self.asnumpy()
         return array if dtype is None else array.astype(dtype)
 
+    def __str__(self):
+        """The values alone, as NumPy prints them: what ``print(tensor)`` shows in MindSpore."""
+        return str(self.asnumpy())
+
     def __repr__(self):
+        """The values with the dtype (and requires_grad), e.g. ``Tensor([1., 2.], dtype=float32)``."""
         body = numpy.array2string(self.asnumpy(), separator=", ", prefix="Tensor(")
         grad = ", requires_grad=True" if self.requires_grad else ""
         return f"Tensor({body}, dtype={self.dtype}{grad})"
@@ -225,3 +234,5 @@ class Parameter(Tensor):
 
     def __repr__(self):
         return f"Parameter(name={self.name!r}, shape={self.shape}, dtype={self.dtype}, requires_grad={self.requires_grad})"
+
+    __str__ = __repr__  # as MindSpore: print(param) describes it rather than listing its values

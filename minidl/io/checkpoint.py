@@ -5,6 +5,11 @@ saving leaves the previous checkpoint intact. The file name is used as given (Mi
 appends ".ckpt"; we do not). Anything with ``parameters_and_names()`` can be saved and
 loaded: a Cell, and also an Optimizer (its buffers and global step).
 
+A parameter is stored under the name it was given (``Parameter(x, name="w")``), as in
+MindSpore, and under its attribute path (``"fc.weight"``) when it has none (see
+``minidl.nn.cell.checkpoint_name``). Loading finds each parameter's entry by that name first,
+else by its path, so files keyed either way load while the match is unambiguous.
+
 Example:
     >>> minidl.save_checkpoint(net, "net.ckpt", append_dict={"epoch": 3})
     >>> params = minidl.load_checkpoint("net.ckpt")
@@ -18,6 +23,7 @@ import os
 import numpy
 
 from .. import backend
+from ..nn.cell import checkpoint_name
 from ..runtime import get_runtime
 from ..tensor import Parameter, Tensor
 from . import safetensors
@@ -35,10 +41,29 @@ def _to_numpy(who, name, value):
                     f"got {type(value).__name__}")
 
 
+def keyed_parameters(obj, who="save_checkpoint"):
+    """(checkpoint name, path, Parameter) for each parameter of ``obj.parameters_and_names()``.
+
+    The checkpoint name is the parameter's given name, else its path (``checkpoint_name``).
+
+    Raises:
+        ValueError: two parameters would be saved under the same name (both listed).
+    """
+    triples, owner = [], {}
+    for path, param in obj.parameters_and_names():
+        key = checkpoint_name(path, param)
+        if key in owner:
+            raise ValueError(f"{who}: parameters {owner[key]!r} and {path!r} would both be saved as {key!r}; "
+                             f"a checkpoint needs unique names: give one of them another name")
+        owner[key] = path
+        triples.append((key, path, param))
+    return triples
+
+
 def _named_values(save_obj):
     """(name, value) pairs of any form save_checkpoint accepts."""
     if hasattr(save_obj, "parameters_and_names"):
-        return list(save_obj.parameters_and_names())
+        return [(key, param) for key, _, param in keyed_parameters(save_obj)]
     if isinstance(save_obj, dict):
         return list(save_obj.items())
     if isinstance(save_obj, (list, tuple)):
@@ -70,9 +95,10 @@ def save_checkpoint(save_obj, ckpt_file_name, append_dict=None, choice_func=None
     changes nothing.
 
     Args:
-        save_obj: a Cell (or anything with ``parameters_and_names()``, e.g. an Optimizer), a
-            list of Parameters, a list of dicts {"name": str, "data": Tensor/array}, or a dict
-            name -> Parameter / Tensor / array.
+        save_obj: a Cell (or anything with ``parameters_and_names()``, e.g. an Optimizer:
+            each parameter under its given name, else its path), a list of Parameters, a
+            list of dicts {"name": str, "data": Tensor/array}, or a dict name -> Parameter /
+            Tensor / array.
         ckpt_file_name: the path, used as given.
         append_dict: extra entries: str, int, float and bool values go to the file's
             metadata, as strings (read them with ``load_checkpoint_metadata``); Tensor and
@@ -181,11 +207,46 @@ def _copy_into(param, value):
         param.set_data(src.copy())
 
 
+def match_parameters(net, parameter_dict, who="load_param_into_net"):
+    """Finds each parameter's checkpoint entry: by its checkpoint name first, else by its path.
+
+    A parameter's checkpoint name is the name it was given, else its path (what
+    ``save_checkpoint`` writes now); the path alone is what files written before explicit
+    names were honoured hold, and what a network whose names changed still shares.
+
+    Returns:
+        (found, missing): found lists (checkpoint name, Parameter, entry) for the parameters
+        with an entry; missing holds the checkpoint names of the others, in order.
+
+    Raises:
+        ValueError: one entry is claimed by several parameters (e.g. one is named
+            ``"fc.weight"`` and another sits at the path ``fc.weight``); all such are listed.
+    """
+    found, missing, claims = [], [], {}
+    for path, param in net.parameters_and_names():
+        key = checkpoint_name(path, param)
+        entry = key if key in parameter_dict else path if path in parameter_dict else None
+        if entry is None:
+            missing.append(key)
+            continue
+        claims.setdefault(entry, []).append(repr(path) if entry == path else f"{path!r} (named {key!r})")
+        found.append((key, param, entry))
+    clashes = [f"{entry!r} matches the parameters at {' and '.join(paths)}"
+               for entry, paths in claims.items() if len(paths) > 1]
+    if clashes:
+        raise ValueError(f"{who}: {len(clashes)} checkpoint entr{'y matches' if len(clashes) == 1 else 'ies match'} "
+                         f"more than one parameter, nothing was loaded: " + "; ".join(clashes) + "; give the "
+                         "parameters names that tell them apart, or pass a dict keyed by the names wanted")
+    return found, missing
+
+
 def load_param_into_net(net, parameter_dict, strict_load=False):
     """Copies checkpoint values into ``net``'s Parameters, in place.
 
-    Names are those of ``net.parameters_and_names()``. Values are cast to each parameter's
-    dtype. Nothing is copied when any shape differs.
+    Each parameter takes the entry of its checkpoint name (the name it was given, else its
+    path from ``net.parameters_and_names()``) or, failing that, of its path, so a file keyed
+    either way loads. Values are cast to each parameter's dtype. Nothing is copied when any
+    shape differs or when an entry matches two parameters.
 
     Args:
         net: a Cell (or anything with ``parameters_and_names()``, e.g. an Optimizer).
@@ -193,24 +254,23 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
         strict_load: when True, a net parameter absent from parameter_dict raises.
 
     Returns:
-        (param_not_load, ckpt_not_load): the net's parameter names that got no value, and the
-        checkpoint names that matched no parameter.
+        (param_not_load, ckpt_not_load): the checkpoint names of the net's parameters that got
+        no value, and the checkpoint entries that matched no parameter.
 
     Raises:
         ValueError: shapes differ (every mismatched name is listed with both shapes), or
-            strict_load and some parameters are missing (all listed).
+            strict_load and some parameters are missing (all listed), or an entry matches
+            several parameters (see ``match_parameters``).
     """
     who = "load_param_into_net"
     if not hasattr(net, "parameters_and_names"):
         raise TypeError(f"{who}: net must be a Cell (anything with parameters_and_names()), got {type(net).__name__}")
     if not isinstance(parameter_dict, dict):
         raise TypeError(f"{who}: parameter_dict must be a dict, got {type(parameter_dict).__name__}")
-    missing, mismatched, pairs, used = [], [], [], set()
-    for name, param in net.parameters_and_names():
-        if name not in parameter_dict:
-            missing.append(name)
-            continue
-        value = parameter_dict[name]
+    found, missing = match_parameters(net, parameter_dict, who)
+    mismatched, pairs, used = [], [], set()
+    for name, param, entry in found:
+        value = parameter_dict[entry]
         if not isinstance(value, Tensor) and not hasattr(value, "shape"):
             value = numpy.asarray(value)
         if param.is_sharded and tuple(value.shape) == tuple(param.shape):
@@ -221,7 +281,7 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
             mismatched.append(f"{name!r}: net {shown} vs checkpoint {tuple(value.shape)}")
             continue
         pairs.append((param, value))
-        used.add(name)
+        used.add(entry)
     if mismatched:
         raise ValueError(f"{who}: {len(mismatched)} parameter(s) have a different shape in the checkpoint, "
                          f"nothing was loaded: " + "; ".join(mismatched))

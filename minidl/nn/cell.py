@@ -15,7 +15,9 @@ in place. Explicit names (different from the attribute name) are never changed. 
 parameter reachable through two paths (shared) keeps the name of the first one. Wrappers
 that must not rename the network they hold (WithLossCell, TrainOneStepCell) pass
 ``auto_prefix=False``. ``parameters_and_names()`` always yields the traversal paths, as
-PyTorch's ``named_parameters()`` does; without sharing they equal the names.
+PyTorch's ``named_parameters()`` does; without sharing they equal the names. Checkpoints key
+a parameter by ``checkpoint_name``: its explicit name when it has one (MindSpore saves
+``param.name``), else its path.
 
 Cells start in inference mode (``training`` is False), as in MindSpore: call
 ``net.set_train()`` (or ``net.train()``) before training; ``Model.train`` does it for you.
@@ -29,6 +31,25 @@ class _AutoName(str):
     """A parameter name the Cell tree derived from attribute paths (so it may be re-prefixed)."""
 
     __slots__ = ()
+
+
+def checkpoint_name(path, param):
+    """The name a checkpoint stores ``param`` under: the name it was given, else ``path``.
+
+    A name is given with ``Parameter(x, name="w")`` (and kept by the tree when it differs from
+    the attribute name); a name the tree derived (``_AutoName``) or none means the attribute
+    path from the saved cell, as ``parameters_and_names()`` yields it.
+
+    Example:
+        >>> net = nn.SequentialCell(nn.Dense(2, 2))
+        >>> net[0].bias = Parameter(numpy.zeros(2, numpy.float32), name="b")
+        >>> [checkpoint_name(path, p) for path, p in net.parameters_and_names()]
+        ['0.weight', 'b']
+    """
+    name = getattr(param, "name", None)
+    if isinstance(name, str) and name and not isinstance(name, _AutoName):
+        return str(name)
+    return path
 
 
 def _check_child_name(owner, name):

@@ -24,7 +24,8 @@ import re
 import time
 
 from .. import backend
-from ..io.checkpoint import save_checkpoint, load_checkpoint, load_param_into_net, load_checkpoint_metadata
+from ..io.checkpoint import (save_checkpoint, load_checkpoint, load_param_into_net, load_checkpoint_metadata,
+                             keyed_parameters, match_parameters)
 from ..runtime import get_runtime
 from .callbacks import Callback
 
@@ -39,9 +40,10 @@ epoch already done), the ``global_step`` done so far, and the ``batch_num`` it w
 
 
 def _state_tensors(who, network, optimizer):
-    tensors = dict(network.parameters_and_names())
+    """Checkpoint name -> Parameter for the network and the optimizer, as save_checkpoint keys them."""
+    tensors = {name: p for name, _, p in keyed_parameters(network, who)}
     if optimizer is not None:
-        for name, p in optimizer.parameters_and_names():
+        for name, _, p in keyed_parameters(optimizer, who):
             if name in tensors:
                 raise ValueError(f"{who}: the network and the optimizer both have a parameter named {name!r}; "
                                  f"a checkpoint needs unique names")
@@ -89,8 +91,10 @@ def restore_train_state(path, network, optimizer, who="Model.train"):
         raise ValueError(f"{who}: {path!r} is not a training checkpoint: its metadata lacks {missing}; resume_from "
                          f"needs a file written by ModelCheckpoint (or save_train_state) during Model.train")
     params = load_checkpoint(path)
-    wanted = list(_state_tensors(who, network, optimizer))
-    absent = [name for name in wanted if name not in params]
+    # Matched as load_param_into_net matches (name, else path), so that a file keyed by paths
+    # (written before explicit names were saved) still resumes.
+    absent = [name for part in (network, optimizer) if part is not None
+              for name in match_parameters(part, params, who)[1]]
     if absent:
         raise ValueError(f"{who}: checkpoint {path!r} lacks {len(absent)} parameter(s) or optimizer state(s) of "
                          f"this model, nothing was loaded: {absent[:8]}{' ...' if len(absent) > 8 else ''}")

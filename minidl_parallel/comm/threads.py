@@ -235,5 +235,17 @@ def _with_rank(exc, rank, n):
     if exc.args and isinstance(exc.args[0], str) and not isinstance(exc, KeyError):
         exc.args = (prefix + exc.args[0],) + exc.args[1:]
     else:
-        exc.add_note(prefix + "raised in run_threads")
+        _add_note(exc, prefix + "raised in run_threads")
     return exc
+
+
+def _add_note(exc, note):
+    """``exc.add_note(note)``, also on Python 3.9 and 3.10, which lack it (PEP 678 is 3.11).
+
+    The fallback stores the note where 3.11 does, in ``__notes__``: pytest (``match``) and the
+    ``exceptiongroup`` backport's traceback printing read it there on every version.
+    """
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        exc.__notes__ = list(getattr(exc, "__notes__", ())) + [note]

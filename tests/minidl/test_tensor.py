@@ -77,6 +77,21 @@ def test_repr_shows_values_and_dtype():
     assert "dtype=float32" in repr(Tensor([1.0]))
 
 
+def test_str_prints_the_values_as_mindspore():
+    # MindSpore 2.10: print(ms.Tensor(np.array([[1., 2.], [3., 4.]], np.float32))) shows the
+    # NumPy printout, with no "Tensor(" or dtype; repr keeps them.
+    t = Tensor(np.array([[1.0, 2.0], [3.0, 4.0]], np.float32))
+    assert str(t) == "[[1. 2.]\n [3. 4.]]" and f"{t}" == str(t)
+    assert repr(t) == "Tensor([[1., 2.],\n        [3., 4.]], dtype=float32)"
+    assert str(Tensor(1.5)) == "1.5" and str(Tensor(3)) == "3" and str(Tensor(True)) == "True"
+    assert str(Tensor(np.array([1, 2, 3], np.int32))) == "[1 2 3]"
+    assert str(Tensor(np.array([True, False]))) == "[ True False]"
+    assert str(Tensor(np.array([1.5, 2.25], np.float16))) == "[1.5  2.25]"
+    assert str(Tensor([1.0], requires_grad=True)) == "[1.]"
+    p = Parameter(np.ones(2, np.float32), name="w")
+    assert str(p) == repr(p) == "Parameter(name='w', shape=(2,), dtype=float32, requires_grad=True)"
+
+
 def test_set_context_validates():
     with pytest.raises(ValueError, match="device_target must be 'CPU' or 'GPU'"):
         minidl.set_context(device_target="TPU")

@@ -318,3 +318,101 @@ def test_optimizer_state_round_trip(tmp_path):
     assert fresh.global_step == 3 and fresh.get_lr() == 0.01
     for (name, buf), (_, ref) in zip(fresh.parameters_and_names(), opt.parameters_and_names()):
         np.testing.assert_array_equal(buf.asnumpy(), ref.asnumpy())
+
+
+# ---- names: the given name, else the path ---------------------------------------------------
+
+class Scaled(nn.Cell):
+    """A Dense layer (names derived from paths) and a scale the user named."""
+
+    def __init__(self, scale_name="my_scale"):
+        super().__init__()
+        self.fc = nn.Dense(3, 2)
+        self.scale = Parameter(np.ones(2, np.float32), name=scale_name)
+
+
+def _randomise(net, seed):
+    gen = np.random.default_rng(seed)
+    for _, p in net.parameters_and_names():
+        p.set_data(gen.normal(size=p.data.shape).astype(p.dtype))
+
+
+def _values(net):
+    return [p.asnumpy().copy() for _, p in net.parameters_and_names()]
+
+
+def test_a_given_name_is_the_checkpoint_key(tmp_path):
+    net = nn.SequentialCell(Scaled())
+    assert [n for n, _ in net.parameters_and_names()] == ["0.scale", "0.fc.weight", "0.fc.bias"]
+    _randomise(net, 0)
+    path = tmp_path / "named.ckpt"
+    save_checkpoint(net, path)
+    assert sorted(load_checkpoint(path)) == ["0.fc.bias", "0.fc.weight", "my_scale"]  # as MindSpore: param.name
+    other = nn.SequentialCell(Scaled())
+    assert load_param_into_net(other, load_checkpoint(path), strict_load=True) == ([], [])
+    for got, want in zip(_values(other), _values(net)):
+        assert_same(got, want)
+
+
+def test_load_matches_by_name_first_then_by_path():
+    net = nn.SequentialCell(Scaled())
+    fc = {"0.fc.weight": np.ones((2, 3)), "0.fc.bias": np.ones(2)}
+    # Keyed by path (files written before names were honoured, or by another tool).
+    assert load_param_into_net(net, {**fc, "0.scale": np.full(2, 3.0)}, strict_load=True) == ([], [])
+    np.testing.assert_array_equal(net[0].scale.asnumpy(), [3.0, 3.0])
+    # Keyed by name; with both present the name wins and the path entry is left over.
+    assert load_param_into_net(net, {"my_scale": np.full(2, 4.0), "0.scale": np.full(2, 5.0)}) == \
+        (["0.fc.weight", "0.fc.bias"], ["0.scale"])
+    np.testing.assert_array_equal(net[0].scale.asnumpy(), [4.0, 4.0])
+    # Missing parameters are reported by the names a checkpoint of this net would hold.
+    with pytest.raises(ValueError, match=r"1 parameter\(s\) are missing.*\['my_scale'\]"):
+        load_param_into_net(net, fc, strict_load=True)
+
+
+def test_an_entry_matching_two_parameters_is_refused():
+    # Scale 0 is named like scale 1's path: a file keyed by paths is ambiguous for it.
+    net = nn.SequentialCell(Scaled("1.scale"), Scaled("w"))
+    before = _values(net)
+    by_path = {n: np.full(p.data.shape, 7.0) for n, p in net.parameters_and_names()}
+    with pytest.raises(ValueError, match=r"1 checkpoint entry matches more than one parameter, nothing was loaded: "
+                                         r"'1.scale' matches the parameters at '0.scale' \(named '1.scale'\) "
+                                         r"and '1.scale'"):
+        load_param_into_net(net, by_path)
+    for got, want in zip(_values(net), before):
+        assert_same(got, want)
+
+
+def test_two_parameters_with_one_name(tmp_path):
+    net = nn.SequentialCell(Scaled("w"), Scaled("w"))
+    with pytest.raises(ValueError, match=r"parameters '0.scale' and '1.scale' would both be saved as 'w'"):
+        save_checkpoint(net, tmp_path / "dup.ckpt")
+    assert not (tmp_path / "dup.ckpt").exists()
+    with pytest.raises(ValueError, match=r"'w' matches the parameters at '0.scale' \(named 'w'\) and "
+                                         r"'1.scale' \(named 'w'\)"):
+        load_param_into_net(net, {"w": np.ones(2)})
+    # Keyed by path, each finds its own entry.
+    assert load_param_into_net(net, {"0.scale": np.full(2, 1.5), "1.scale": np.full(2, 2.5)})[1] == []
+    assert net[0].scale.asnumpy()[0] == 1.5 and net[1].scale.asnumpy()[0] == 2.5
+
+
+def test_training_state_keeps_given_names_and_resumes_from_either_keying(tmp_path):
+    from minidl.train import restore_train_state, save_train_state
+    net = nn.SequentialCell(Scaled())
+    _randomise(net, 1)
+    opt = Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)
+    opt(tuple(Tensor(np.full(p.data.shape, 0.5, np.float32)) for p in net.trainable_params()))
+    path = tmp_path / "state.ckpt"
+    save_train_state(path, net, opt, epoch_num=1, step_num=1, step_in_epoch=1, batch_num=4)
+    saved = load_checkpoint(path)
+    assert {"my_scale", "moments.my_scale", "0.fc.weight", "moments.0.fc.weight"} <= set(saved)
+    assert "0.scale" not in saved
+    # The same state keyed by the network's paths (as files were written before) resumes too.
+    old = tmp_path / "old.ckpt"
+    save_checkpoint({("0.scale" if n == "my_scale" else n): p for n, p in saved.items()}, old,
+                    append_dict=load_checkpoint_metadata(path))
+    for source in (path, old):
+        fresh = nn.SequentialCell(Scaled())
+        fresh_opt = Momentum(fresh.trainable_params(), learning_rate=0.1, momentum=0.9)
+        assert restore_train_state(source, fresh, fresh_opt) == (0, 1, 1, 4)
+        for got, want in zip(_values(fresh) + _values(fresh_opt), _values(net) + _values(opt)):
+            assert_same(got, want)

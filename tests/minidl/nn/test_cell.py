@@ -168,6 +168,19 @@ def test_explicit_names_are_kept():
     assert [p.name for p in net.get_parameters()] == ["my_scale", "1.weight"]
 
 
+def test_checkpoint_name_is_the_given_name_else_the_path():
+    from minidl.nn.cell import checkpoint_name
+    shared = Leaf()
+    net = nn.SequentialCell(Leaf(name="my_scale"), Leaf(name="weight"), shared)
+    other = nn.SequentialCell(Leaf(), shared)  # shared keeps its first name, "2.weight"
+    assert [checkpoint_name(path, p) for path, p in net.parameters_and_names()] == \
+        ["my_scale", "1.weight", "2.weight"]
+    # A derived name is not a given one: the path of the cell being saved wins over it.
+    assert [checkpoint_name(path, p) for path, p in other.parameters_and_names()] == ["0.weight", "1.weight"]
+    assert checkpoint_name("a.w", Parameter(np.ones(1), name="given")) == "given"
+    assert checkpoint_name("a.w", Parameter(np.ones(1))) == "a.w"
+
+
 def test_auto_prefix_false_keeps_inner_names():
     class Wrapper(nn.Cell):
         def __init__(self, network):

@@ -119,6 +119,32 @@ def test_a_rank_that_raises_is_reported_and_the_others_do_not_hang():
     assert time.monotonic() - start < 5
 
 
+class _NoAddNote(ValueError):
+    """An exception as Python 3.9 and 3.10 make them: without add_note (PEP 678 is 3.11)."""
+
+    def __getattribute__(self, name):
+        if name == "add_note":
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute 'add_note'")
+        return super().__getattribute__(name)
+
+
+@pytest.mark.parametrize("make", [lambda: KeyError("w"), lambda: ValueError(3), lambda: _NoAddNote(3)],
+                         ids=["KeyError", "non-str-message", "no-add_note"])
+def test_a_message_that_cannot_take_the_rank_gets_it_as_a_note(make):
+    # KeyError's str() is repr(key), and args[0] may be no string: the rank goes to a note,
+    # with add_note where it exists, else in __notes__ as 3.11 stores it.
+    exc = make()
+
+    def body():
+        if mp.get_rank() == 1:
+            raise exc
+
+    with pytest.raises(type(exc), match="rank 1 of 2: raised in run_threads") as info:
+        run(2, body)
+    assert info.value is exc and exc.args == make().args  # the message itself is untouched
+    assert exc.__notes__ == ["rank 1 of 2: raised in run_threads"]
+
+
 def test_a_rank_that_returns_early_aborts_the_waiting_ranks():
     def body():
         if mp.get_rank() == 0:

@@ -11,9 +11,9 @@ with the analytical minimum derived below from the layouts alone; the script exi
 differ.
 
 Part 0 (in this process): the dispatcher's overhead per operator call, a ReLU on an 8x8
-tensor inside a Cell: plain, dispatched in a world of one (SEMI_AUTO), and with the hooks
-installed but the mode back to STAND_ALONE (what every later op pays once tensor
-parallelism was used in the process).
+tensor inside a Cell: plain (the local runtime), dispatched in a world of one (SEMI_AUTO),
+and with the parallel runtime still installed but the mode back to STAND_ALONE (what every
+op pays while a world is initialised and tensor parallelism is off).
 
 Part 2 (timing): the same two networks trained for --steps steps under
 ``mpirun --oversubscribe -n N`` (mpi backend), tensor parallel against pure data parallel
@@ -161,7 +161,7 @@ def part0():
     mp.release()
     print("part 0: one ReLU (8x8) in a Cell, us per call")
     print(f"  plain {plain:.1f}   dispatched (SEMI_AUTO, world of one) {dispatched:.1f}   "
-          f"hooks installed, STAND_ALONE {inactive:.1f}\n")
+          f"parallel runtime, STAND_ALONE {inactive:.1f}\n")
 
 
 # ---- part 1: counts -----------------------------------------------------------------------------

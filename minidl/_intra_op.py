@@ -30,7 +30,11 @@ _GET_THREADS = ("openblas_get_num_threads", "scipy_openblas_get_num_threads64_",
 
 _lock = threading.Lock()
 _state = {"blas": None, "threads": None, "pool": None}
-_worker = threading.local()  # .active: this thread is a pool worker
+class _WorkerFlag(threading.local):
+    active = False  # True in a pool worker; a class-level default is fast to read (no AttributeError)
+
+
+_worker = _WorkerFlag()
 
 
 def _openblas():
@@ -145,7 +149,7 @@ def parallel_map(fn, n):
     Every call finishes before this returns, also when one raises (the first error is then
     re-raised): callers share buffers between the calls' results.
     """
-    if n == 1 or getattr(_worker, "active", False):
+    if n == 1 or _worker.active:
         return [fn(i) for i in range(n)]
     if n > get_num_threads():
         raise ValueError(f"parallel_map: {n} calls for {get_num_threads()} threads")

@@ -26,7 +26,11 @@ int64 = numpy.int64
 uint8 = numpy.uint8
 bool_ = numpy.bool_
 
-_grad_mode = threading.local()
+class _GradMode(threading.local):
+    enabled = True  # a class-level default: a missing threading.local attribute is ~8x slower to read
+
+
+_grad_mode = _GradMode()
 
 
 def _logical_shape(tensor):
@@ -36,7 +40,7 @@ def _logical_shape(tensor):
 
 def is_grad_enabled():
     """True when ops record themselves for backward (per thread)."""
-    return getattr(_grad_mode, "enabled", True)
+    return _grad_mode.enabled
 
 
 class no_grad:

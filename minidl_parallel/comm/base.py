@@ -273,6 +273,12 @@ class Communicator(ABC):
         received = self._alltoall(self._blocks(x, split_axis))
         return _xp(x).concatenate([received[r] for r in range(self.size)], axis=concat_axis)
 
+    def allgather_object(self, obj):
+        """Returns every rank's small picklable ``obj``, in rank order (for agreement checks:
+        names, shapes, counts; never for tensors, which go through :meth:`allgather`)."""
+        self._begin("allgather_object", None)
+        return self._allgather_object(obj)
+
     def barrier(self):
         """Returns once every rank of the group has called it."""
         self._begin("barrier", None)

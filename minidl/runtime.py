@@ -10,7 +10,9 @@ when a Model, dataset or optimizer was built:
 - the whole value of a tensor that holds only this rank's block (checkpoints), and the
   block of a whole value (loading, optimizer state);
 - the cross-rank sums of evaluation metrics, and decisions every rank must share
-  (whether to save a checkpoint now).
+  (whether to save a checkpoint now);
+- whether training steps are collective (``trains_in_lockstep``), and every rank's small
+  value (``gather``), with which ``Model.train`` agrees the ranks' step counts.
 
 The base class is the single-device runtime, and it is what :func:`get_runtime` returns
 when nothing is installed. A parallel package subclasses it and installs its instance with
@@ -109,6 +111,17 @@ class Runtime:
     def agree(self, value):
         """Rank 0's ``value`` (a bool or a small int), on every rank (every rank must call)."""
         return value
+
+    def gather(self, value):
+        """Every rank's small picklable ``value`` (counts, names), as a list in rank order (every rank must call)."""
+        return [value]
+
+    def trains_in_lockstep(self):
+        """Whether every training step communicates with the other ranks (data or tensor parallelism).
+
+        When True, every rank must run the same number of steps: ``Model.train`` agrees them.
+        """
+        return False
 
     # ---- installing ---------------------------------------------------------------------------
 

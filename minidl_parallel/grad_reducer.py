@@ -34,16 +34,34 @@ A parameter whose gradient is None (not reached by the loss) counts as zeros: it
 bucket is zero-filled, so every rank still runs the same collectives, and the returned
 gradient is the reduction of the other ranks' gradients (zeros if none had one).
 
+Agreement check: the first reduction on a communicator (and ``broadcast_parameters``, every
+call) first compares every rank's parameter names, shapes and dtypes (and ``mean``/``degree``)
+with one small ``allgather_object`` of a digest (minidl_parallel/agreement.py). Ranks that
+built different models get, on every rank, a ValueError naming the first parameter that
+differs and each rank's value, instead of MPI_ERR_TRUNCATE, a crash or a hang. The result
+is cached per communicator, so later steps do not pay for it; a new reducer (``Model.train``
+makes one per run) or another communicator checks again.
+
+Uneven inputs: inside ``with reducer.join(optimizer):`` (or ``minidl_parallel.join``, see
+minidl_parallel/join.py) every reduction is preceded by a one-number all-reduce saying that
+this rank still has data, and a rank that leaves the block keeps taking part with zero
+gradients until every rank has left it. Buckets are reduced with blocking all-reduces there
+(no overlap with backward): MPI does not match a blocking collective with a non-blocking one,
+and a shadowing rank cannot know which one its peers use.
+
 Example:
     >>> reducer = DistributedGradReducer(opt.parameters, mean=True)
     >>> loss, grads = grad_fn(x, y)
     >>> opt(reducer(grads))
 """
+import weakref
+
 import numpy
 
 from minidl.backend import get_array_module
 from minidl.tensor import Tensor
 
+from .agreement import describe_ranks, disagreement, first_difference
 from .collectives import resolve_communicator
 
 _WHO = "DistributedGradReducer"
@@ -79,6 +97,9 @@ class DistributedGradReducer:
         >>> grads = reducer(grads)
     """
 
+    # Every call is a collective: every rank must make as many (Model.train agrees the step counts).
+    collective = True
+
     def __init__(self, parameters, mean=True, degree=None, fusion_bytes=25 * 1024 * 1024, comm=None,
                  parameter_broadcast=False):
         self.parameters = tuple(parameters)
@@ -105,6 +126,9 @@ class DistributedGradReducer:
                 self._where[i] = (b, off)
         self._pending = None
         self._blocking = False  # set by __call__, where nothing overlaps (see there)
+        self._agreed_on = None  # weak reference to the communicator the ranks' parameters were checked on
+        self._joined = None  # the open join block (minidl_parallel/join.py), if any
+        self._vote_before_reducing = True  # False while a join block shadows a step (it voted already)
 
     @property
     def comm(self):
@@ -211,7 +235,12 @@ class DistributedGradReducer:
             if not isinstance(t, Tensor):
                 raise TypeError(f"{_WHO}.broadcast_parameters: tensors[{i}] must be a Tensor, got {type(t).__name__}")
         comm = self.comm
-        if comm.size == 1 or not tensors:
+        if comm.size == 1:
+            return 0
+        # Checked on every call (once per training run): the tensors, optimizer state included,
+        # may be another set each time, and a broadcast of mismatched buffers corrupts memory.
+        self._check_agreement(comm, f"{_WHO}.broadcast_parameters", _describe_tensors(tensors), root=root)
+        if not tensors:
             return 0
         groups = {}
         for t in tensors:
@@ -258,9 +287,43 @@ class DistributedGradReducer:
                              f"parameter of shape {shape}")
         return grad
 
+    def agree_on_parameters(self):
+        """Checks, once per communicator, that every rank reduces the same parameters (collective).
+
+        Raises:
+            ValueError: on every rank, naming the first parameter (name, shape, dtype) that
+                differs and each rank's value, or each rank's ``mean``/``degree``.
+        """
+        comm = self.comm
+        if self._agreed_on is not None and self._agreed_on() is comm:
+            return
+        if comm.size > 1:
+            self._check_agreement(comm, _WHO, _describe_tensors(self.parameters), mean=self.mean,
+                                  degree=self.degree)
+        self._agreed_on = weakref.ref(comm)
+
+    @staticmethod
+    def _check_agreement(comm, who, tensors, **settings):
+        description = (tuple(sorted(settings.items())), tensors)
+        found = disagreement(comm, "parameters", description)
+        if found is not None:
+            raise ValueError(_mismatch_message(who, found))
+
+    def join(self, optimizer=None):
+        """A join block for uneven inputs (see :class:`minidl_parallel.join.Join`)."""
+        from .join import Join
+        return Join(self, optimizer)
+
+    def _vote(self, comm, has_data):
+        """The number of ranks that still have data (a one-number all-reduce; join blocks only)."""
+        return int(round(float(comm.allreduce(numpy.array([float(has_data)]), "sum")[0])))
+
     def _begin(self):
         if self._pending is not None:
             raise RuntimeError(f"{_WHO}: a reduction is already in flight; call finish() first")
+        self.agree_on_parameters()
+        if self._joined is not None and self._vote_before_reducing:
+            self._vote(self.comm, True)
         self._pending = {"grads": {}, "missing": [len(b.indices) for b in self.buckets], "next": 0}
 
     def _launch(self, b):
@@ -288,11 +351,48 @@ class DistributedGradReducer:
                 buf[off:off + n] = g.reshape(-1)
             else:
                 xp.multiply(g.reshape(-1), scale, out=buf[off:off + n])
-        if self._blocking:
+        # Inside a join block every bucket takes the blocking all-reduce: a rank shadowing a step
+        # cannot know whether its peers overlap (iallreduce_) or not, and MPI never matches a
+        # blocking collective with a non-blocking one.
+        if self._blocking or self._joined is not None:
             self.comm.allreduce_(buf, "sum")
             bucket.request = None
         else:
             bucket.request = self.comm.iallreduce_(buf, "sum")
+
+
+def _describe_tensors(tensors):
+    """The compact description the ranks compare: (name, shape, dtype) of each tensor, in order."""
+    return tuple((getattr(t, "name", None), tuple(int(d) for d in t.shape), str(numpy.dtype(t.dtype)))
+                 for t in tensors)
+
+
+def _show_tensor(entry):
+    if entry is None:
+        return "nothing"
+    name, shape, dtype = entry
+    return f"{name!r} of shape {shape} {dtype}"
+
+
+def _mismatch_message(who, found):
+    kinds = [kind for kind, _ in found]
+    if any(k != kinds[0] for k in kinds):
+        return (f"{who}: the ranks are running different checks at the same point ({describe_ranks(kinds)}): "
+                f"they run different programs or parallel modes; every rank must make the same calls")
+    settings = [dict(description[0]) for _, description in found]
+    tensors = [description[1] for _, description in found]
+    i = first_difference(tensors)
+    if i is not None:
+        counts = [len(t) for t in tensors]
+        at = [t[i] if i < len(t) else None for t in tensors]
+        count_note = "" if all(c == counts[0] for c in counts) else f" (numbers of tensors: " \
+            f"{describe_ranks(counts, str)})"
+        return (f"{who}: the ranks' parameters differ at tensor {i}: {describe_ranks(at, _show_tensor)}"
+                f"{count_note}; every rank must build the same network (same layers, shapes and dtypes, "
+                f"in the same order) before training")
+    return (f"{who}: the ranks reduce gradients with different settings: "
+            f"{describe_ranks(settings, lambda s: ', '.join(f'{k}={v!r}' for k, v in s.items()))}; set the same "
+            f"gradients_mean (and degree) on every rank")
 
 
 def _numel(shape):

@@ -11,7 +11,8 @@ was built is the mode its next ``train`` runs in:
 - the rank and world size come from the world's communicator;
 - sharded tensors become whole (checkpoints) and whole values become blocks (loading,
   optimizer state) through tensor_parallel/parameters.py;
-- metric sums and shared decisions are small collectives over the world.
+- metric sums, shared decisions and gathered small values are small collectives over the world;
+- training steps are collective (``trains_in_lockstep``) in every mode but STAND_ALONE.
 """
 import numpy
 
@@ -86,6 +87,12 @@ class ParallelRuntime(Runtime):
         mine = numpy.array([int(value)], dtype=numpy.int64)
         decided = int(numpy.asarray(self.world.comm.broadcast(mine, 0))[0])
         return type(value)(decided) if isinstance(value, (bool, int)) else decided
+
+    def gather(self, value):
+        return list(self.world.comm.allgather_object(value))
+
+    def trains_in_lockstep(self):
+        return self.world.comm.size > 1 and self.world.settings["parallel_mode"] != context.ParallelMode.STAND_ALONE
 
     def __repr__(self):
         return (f"<ParallelRuntime {self.world.backend}: rank {self.rank()} of {self.group_size()}, "

@@ -22,6 +22,16 @@ Two optional parts of a reducer's interface are used when present:
   every ``train``/``fit`` (after ``resume_from`` is restored) the network's parameters and
   the optimizer's state are overwritten with rank 0's, so all ranks start alike
   (``set_auto_parallel_context(parameter_broadcast=True)`` in minidl_parallel).
+- ``collective`` (True): every call communicates, so every rank must run as many steps (as
+  under a runtime whose ``trains_in_lockstep()`` is True); ``join(optimizer)``: a context in
+  which a rank whose data ended keeps taking part with zero gradients (``uneven_inputs``).
+
+Step counts: when steps communicate, ``train``/``fit`` first gather every rank's (epochs,
+position, steps per epoch) through the runtime (one small exchange per run) and, by default,
+raise on every rank naming each rank's count: a rank that ran out of batches first would
+leave the others waiting forever. ``uneven_inputs=True`` trains each epoch inside the
+reducer's join block instead (minidl_parallel/join.py): the ranks with data go on, the
+finished ones contribute zero gradients.
 
 Example:
     >>> model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
@@ -136,7 +146,7 @@ class Model:
 
     # ---- input checks --------------------------------------------------------------------------
 
-    def _check_dataset(self, who, name, dataset, for_training):
+    def _check_dataset(self, who, name, dataset, for_training, allow_empty=False):
         for method in ("get_dataset_size", "epoch_iterator", "get_col_names"):
             if not callable(getattr(dataset, method, None)):
                 raise TypeError(f"Model.{who}: {name} must be a minidl.dataset Dataset (with get_dataset_size, "
@@ -149,7 +159,7 @@ class Model:
             raise ValueError(f"Model.{who}: {name} must yield 2 columns (data, label) since {why}, got {len(cols)} "
                              f"column(s) {cols}; build the dataset with those two columns, or pass {alternative}")
         size = dataset.get_dataset_size()
-        if not isinstance(size, numbers.Integral) or size <= 0:
+        if not isinstance(size, numbers.Integral) or size < 0 or (size == 0 and not allow_empty):
             raise ValueError(f"Model.{who}: {name} is empty (get_dataset_size() returned {size!r}); "
                              f"check its source, sharding and batch(drop_remainder=...)")
         return int(size), len(cols)
@@ -241,7 +251,7 @@ class Model:
     # ---- training ------------------------------------------------------------------------------
 
     def train(self, epoch, train_dataset, callbacks=None, dataset_sink_mode=False, resume_from=None, log_file=None,
-              progress=None):
+              progress=None, uneven_inputs=False):
         """Trains for ``epoch`` epochs (in total, counting those a resumed checkpoint did).
 
         Args:
@@ -258,11 +268,19 @@ class Model:
                 rank 0 alone under data parallelism; ``{rank}`` in the path gives every rank
                 its own file instead (see :class:`~minidl.train.progress.MetricsLogger`).
             progress: True / False for a tqdm progress bar; None: only on a terminal.
+            uneven_inputs: under data parallelism, ranks whose datasets yield different numbers
+                of batches train together: each epoch lasts as long as the longest rank's, the
+                ranks that finished contribute zero gradients (the mean still divides by the
+                world size) and apply the same update, so every rank ends with the same
+                parameters. False (default): differing step counts raise on every rank at the
+                start. Not supported with tensor parallelism or SyncBatchNorm (see
+                minidl_parallel/join.py).
         """
-        self._run(epoch, train_dataset, None, 1, callbacks, dataset_sink_mode, resume_from, log_file, progress)
+        self._run(epoch, train_dataset, None, 1, callbacks, dataset_sink_mode, resume_from, log_file, progress,
+                  uneven_inputs)
 
     def fit(self, epoch, train_dataset, valid_dataset=None, valid_frequency=1, callbacks=None,
-            dataset_sink_mode=False, resume_from=None, log_file=None, progress=None):
+            dataset_sink_mode=False, resume_from=None, log_file=None, progress=None, uneven_inputs=False):
         """Trains as ``train`` and evaluates on ``valid_dataset`` every ``valid_frequency``
         epochs (and after the last); results go to ``cb_params.metrics`` (LossMonitor prints
         them, the metrics log records them)."""
@@ -273,16 +291,21 @@ class Model:
         if isinstance(valid_frequency, bool) or not isinstance(valid_frequency, int) or valid_frequency < 1:
             raise ValueError(f"Model.fit: valid_frequency must be an int >= 1, got {valid_frequency!r}")
         self._run(epoch, train_dataset, valid_dataset, valid_frequency, callbacks, dataset_sink_mode, resume_from,
-                  log_file, progress)
+                  log_file, progress, uneven_inputs)
 
     def _run(self, epoch, dataset, valid_dataset, valid_frequency, callbacks, dataset_sink_mode, resume_from,
-             log_file, progress):
+             log_file, progress, uneven_inputs=False):
         epoch = self._check_epoch(epoch)
+        if not isinstance(uneven_inputs, bool):
+            raise TypeError(f"Model.train: uneven_inputs must be a bool, got {uneven_inputs!r}")
         if self._optimizer is None:
             raise ValueError("Model.train: an optimizer is needed to train; pass optimizer= to Model")
         if not isinstance(dataset_sink_mode, bool):
             raise TypeError(f"Model.train: dataset_sink_mode must be a bool, got {dataset_sink_mode!r}")
-        batch_num, _ = self._check_dataset("train", "train_dataset", dataset, for_training=True)
+        # Several ranks: an empty shard is reported after the step counts are agreed, on every
+        # rank (raising here, on its rank alone, would leave the others waiting for it).
+        several = get_runtime().group_size() > 1
+        batch_num, _ = self._check_dataset("train", "train_dataset", dataset, for_training=True, allow_empty=several)
         cbs = CallbackList(callbacks, "Model.train")
         extra = []
         if log_file is not None:
@@ -300,6 +323,9 @@ class Model:
                                  f"size and sharding")
             start_epoch, skip, global_step = pos.epoch, pos.skip_batches, pos.global_step
         self.grad_reducer = self._resolve_grad_reducer()
+        joined = self._agree_on_steps(epoch, start_epoch, skip, batch_num, uneven_inputs)
+        if batch_num == 0 and not joined:
+            self._check_dataset("train", "train_dataset", dataset, for_training=True)  # raises: empty
         self._broadcast_parameters()
 
         cb_params = CallbackParam(
@@ -317,7 +343,11 @@ class Model:
                 cb_params.cur_step_in_epoch = skip if ep == start_epoch else 0
                 cb_params.metrics = None
                 cbs.on_train_epoch_begin(run_context)
-                self._run_epoch(dataset, ep, cb_params.cur_step_in_epoch, step, cbs, run_context)
+                if joined:
+                    with self.grad_reducer.join(self._optimizer):
+                        self._run_epoch(dataset, ep, cb_params.cur_step_in_epoch, step, cbs, run_context)
+                else:
+                    self._run_epoch(dataset, ep, cb_params.cur_step_in_epoch, step, cbs, run_context)
                 stopped = run_context.get_stop_requested()
                 if valid_dataset is not None and not stopped and ((ep + 1) % valid_frequency == 0 or ep + 1 == epoch):
                     cb_params.metrics = cb_params.eval_results = self._evaluate(valid_dataset, None)
@@ -326,6 +356,47 @@ class Model:
                 if run_context.get_stop_requested():
                     break
             cbs.on_train_end(run_context)
+
+    def _agree_on_steps(self, epoch, start_epoch, skip, batch_num, uneven_inputs):
+        """Checks that the ranks will run the same steps; returns whether epochs run in join blocks.
+
+        Only when training steps communicate (the runtime trains in lockstep, or the grad
+        reducer is collective) and there are several ranks: then every rank gathers every
+        rank's plan (one small exchange) and raises alike.
+        """
+        runtime = get_runtime()
+        reducer = self.grad_reducer
+        if runtime.group_size() <= 1 or not (runtime.trains_in_lockstep() or getattr(reducer, "collective", False)):
+            return False
+        mine = {"epochs": epoch, "start epoch": start_epoch, "skipped steps": skip, "steps per epoch": batch_num,
+                "uneven_inputs": uneven_inputs}
+        plans = runtime.gather(mine)
+        ranks = "; ".join(f"rank {r}: {plan}" for r, plan in enumerate(plans))
+        for key in ("uneven_inputs", "epochs", "start epoch"):
+            if any(plan[key] != plans[0][key] for plan in plans):
+                raise ValueError(f"Model.train: the ranks disagree on {key} ({ranks}); every rank must call train "
+                                 f"with the same epoch, resume_from and uneven_inputs")
+        counts = [plan["steps per epoch"] for plan in plans]
+        skips = [plan["skipped steps"] for plan in plans]
+        if not uneven_inputs and (any(c != counts[0] for c in counts) or any(s != skips[0] for s in skips)):
+            each = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+            what = f"the ranks' train_dataset yield different numbers of steps per epoch ({each})"
+            if all(c == counts[0] for c in counts):
+                what = ("the ranks resume at different steps of the epoch (" +
+                        ", ".join(f"rank {r}: {s}" for r, s in enumerate(skips)) + ")")
+            raise ValueError(f"Model.train: {what}; every step all-reduces gradients over all ranks, so the ranks "
+                             f"that run out first would leave the others waiting. Give every rank as many batches "
+                             f"(shard with num_shards=get_group_size(), shard_id=get_rank() and "
+                             f"batch(..., drop_remainder=True)), or pass uneven_inputs=True to train on with the "
+                             f"ranks that still have data (the finished ones contribute zero gradients)")
+        if not uneven_inputs:
+            return False
+        if runtime.intercepts_ops or not callable(getattr(reducer, "join", None)):
+            raise ValueError(f"Model.train: uneven_inputs=True needs data parallelism (a grad reducer with a join "
+                             f"block, such as DistributedGradReducer), but the runtime {runtime!r} gives "
+                             f"{type(reducer).__name__}; in tensor-parallel modes every operator communicates, "
+                             f"which a rank without data cannot stand in for")
+        return True
 
     def _run_epoch(self, dataset, ep, skip, step, cbs, run_context):
         cb_params = run_context.original_args()

@@ -18,13 +18,21 @@ AUTO_PARALLEL. For each primitive call it:
 
 The outermost Cell call tags its untagged inputs by ``dataset_strategy`` and reduces partial
 outputs, so a loss is whole, and equal, on every rank.
+
+Before step 3 of a primitive's first call with a given signature, every rank compares the
+parallel context and the strategy it chose (one small ``allgather_object``, once per world
+and signature): ranks that call ``shard()`` differently, or set another context, would ask
+``split`` for different groups and hang there; they get a StrategyError on every rank naming
+each rank's strategy instead.
 """
 import copy
 import threading
+import weakref
 
 from minidl.tensor import Parameter, Tensor, is_grad_enabled
 
 from .. import context
+from ..agreement import describe_ranks, disagreement
 from ..collectives import AllGather, AllReduce, Broadcast, ReduceScatter
 from . import counter
 from .explain import recording
@@ -117,7 +125,41 @@ def _choose_strategy(prim, rule, spec_args, specs, current, settings, device_num
     return rule.data_parallel(prim, spec_args, device_num), "data parallel"
 
 
-def _decide(prim, rule, spec_args, specs, current, settings, device_num):
+_AGREED_SETTINGS = ("parallel_mode", "device_num", "dataset_strategy", "gradients_mean", "search_mode")
+
+
+def _agree_on_strategy(prim, comm, key, strategy, origin, specs, settings):
+    """Checks, once per world and call signature, that every rank runs ``prim`` alike (collective).
+
+    Recorded per communicator (not in the decision cache, which ranks sharing one network in
+    the threads world share) so that every rank takes part in its own first check.
+    """
+    agreed = prim.__dict__.setdefault("_strategy_agreed", weakref.WeakKeyDictionary()).setdefault(comm, set())
+    if key is not None and key in agreed:
+        return
+    description = (tuple((k, settings.get(k)) for k in _AGREED_SETTINGS), _who(prim),
+                   tuple(s.shape for s in specs), strategy, origin)
+    found = disagreement(comm, "strategy", description)
+    if found is not None:
+        kinds = [kind for kind, _ in found]
+        if any(k != kinds[0] for k in kinds):
+            raise StrategyError(f"the ranks are running different checks at the same point "
+                                f"({describe_ranks(kinds)}): they run different programs or parallel modes")
+        described = [d for _, d in found]
+        contexts = [dict(d[0]) for d in described]
+        for name in _AGREED_SETTINGS:
+            if any(c[name] != contexts[0][name] for c in contexts):
+                raise StrategyError(f"the ranks' parallel contexts differ before any sub-communicator is split: "
+                                    f"{name} is {describe_ranks([c[name] for c in contexts])}; every rank must "
+                                    f"call set_auto_parallel_context with the same values")
+        raise StrategyError(f"the ranks run this operator differently before any sub-communicator is split: "
+                            f"{describe_ranks(described, lambda d: f'{d[1]} on inputs {d[2]}, strategy {d[3]} ({d[4]})')}"
+                            f"; every rank must build the same network and call shard() with the same strategy")
+    if key is not None:
+        agreed.add(key)
+
+
+def _decide(prim, rule, spec_args, specs, current, settings, device_num, comm):
     """(strategy, origin, sharding) of a call, cached on the primitive per call signature.
 
     A network calls the same primitives with the same shapes and layouts every step, and
@@ -132,6 +174,7 @@ def _decide(prim, rule, spec_args, specs, current, settings, device_num):
         key, hit = None, None
     if hit is None:
         strategy, origin = _choose_strategy(prim, rule, spec_args, specs, current, settings, device_num)
+        _agree_on_strategy(prim, comm, key, strategy, origin, specs, settings)  # before infer, which may raise
         try:
             hit = (strategy, origin, rule.infer(prim, spec_args, strategy, device_num))
         except StrategyError as e:
@@ -139,6 +182,8 @@ def _decide(prim, rule, spec_args, specs, current, settings, device_num):
             raise
         if key is not None:
             cache[key] = hit
+    else:  # decided by another rank sharing this primitive (threads world), or agreed already
+        _agree_on_strategy(prim, comm, key, hit[0], hit[1], specs, settings)
     return hit
 
 
@@ -166,7 +211,7 @@ def _run_sharded(prim, args, comm, settings, device_num):
         raise NoRuleError(f"{_who(prim)}: {e}") from None
     strategy = origin = None
     try:
-        strategy, origin, sharding = _decide(prim, rule, spec_args, specs, current, settings, device_num)
+        strategy, origin, sharding = _decide(prim, rule, spec_args, specs, current, settings, device_num, comm)
     except StrategyError as e:
         strategy, origin = getattr(e, "strategy", prim.in_strategy), getattr(e, "origin", None)
         shapes = ", ".join(str(s.shape) for s in specs)

@@ -44,6 +44,7 @@ def test_reduces_to_the_sum_or_mean_in_one_collective_per_bucket(shapes, n, mean
     def body():
         comm = resolve_communicator("test", None)
         reducer = DistributedGradReducer(_params(shapes, dtypes), mean=mean, fusion_bytes=fusion)
+        reducer.agree_on_parameters()  # the first use's one agreement exchange, counted apart
         before = comm.collective_count
         out = reducer(_grads(shapes, comm.rank, seed, dtypes))
         return out, comm.collective_count - before, [b.indices for b in reducer.buckets]
@@ -91,6 +92,7 @@ def test_start_finish_and_ready_overlap_the_buckets():
         rank = comm.rank
         reducer = DistributedGradReducer(_params(shapes), mean=False, fusion_bytes=32)
         grads = _grads(shapes, rank, 7)
+        reducer.agree_on_parameters()  # the first use's one agreement exchange, counted apart
         base = comm.collective_count
         counts = []
         for i in (3, 2, 1, 0):  # backward's order: last layers first
@@ -118,6 +120,7 @@ def test_buckets_start_in_order_even_when_a_later_one_fills_first():
     def body():
         comm = resolve_communicator("test", None)
         reducer = DistributedGradReducer(_params(shapes), fusion_bytes=32)
+        reducer.agree_on_parameters()  # the first use's one agreement exchange, counted apart
         base = comm.collective_count
         reducer.ready(0, np.ones(2))
         reducer.ready(1, np.ones(2))  # bucket 1 complete, but bucket 0 has not started

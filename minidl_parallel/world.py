@@ -10,13 +10,22 @@ Under mpirun ``init`` also
 - installs a ``sys.excepthook`` that prints the failing rank's traceback and calls
   ``MPI.COMM_WORLD.Abort(1)``, so one rank's exception ends the whole job at once instead
   of leaving the others hanging in a collective (as ChainerMN's global_except_hook);
+- installs an exit guard, because ``SystemExit`` never reaches ``sys.excepthook`` and
+  MPI_Finalize waits for every rank: ``sys.exit`` is wrapped to remember its status, and an
+  ``atexit`` handler (it runs before mpi4py's finalize, which is a C-level exit hook) aborts
+  the job at once after a non-zero ``sys.exit``; after status 0 (or an exit it cannot see:
+  ``raise SystemExit(n)``, falling off the end) it waits, bounded by the collective timeout,
+  until every rank leaves, answering the others' "where are you?" so their timeout names it;
 - limits BLAS threads to ``max(1, cores // local ranks)`` through threadpoolctl when it is
   installed (optional; skipped when OMP_NUM_THREADS is set), and minidl's intra-op threads
   (``minidl.set_num_threads``) to the same unless MINIDL_NUM_THREADS is set, so 8 ranks on
   a small machine do not thrash.
 """
+import atexit
 import os
 import sys
+import threading
+import time
 import traceback
 
 import minidl
@@ -29,7 +38,7 @@ from .runtime import ParallelRuntime
 
 __all__ = ["init", "release", "run_threads"]
 
-_hooks = {"excepthook": None, "blas": None}
+_hooks = {"excepthook": None, "blas": None, "exit_guard": None, "sys_exit": None}
 
 
 def _default_backend():
@@ -65,7 +74,7 @@ def _check_world(comm, name, rank, world_size):
                            f"rank)")
 
 
-def init(backend_name=None, *, rank=None, world_size=None):
+def init(backend_name=None, *, rank=None, world_size=None, timeout=None, stall_warning=None):
     """Joins the parallel world and returns its communicator.
 
     Args:
@@ -75,8 +84,14 @@ def init(backend_name=None, *, rank=None, world_size=None):
             else mpi when launched by mpirun, else local.
         rank, world_size: what the caller expects (SINGA's DistOpt passes them): when given,
             a world that differs raises, naming what is missing, instead of training alone.
+        timeout: seconds any collective waits for the other ranks before the job ends with a
+            message naming the collective and the ranks that have not arrived (default
+            ``MINIDL_COLLECTIVE_TIMEOUT`` or 600; 0 = wait forever).
+        stall_warning: seconds after which a waiting collective warns with the same names
+            (default ``MINIDL_STALL_WARNING_SECONDS`` or 60; 0 = never).
 
-    Calling it again with the same backend returns the same communicator.
+    Calling it again with the same backend returns the same communicator (with ``timeout``
+    and ``stall_warning`` updated when given).
 
     Raises:
         RuntimeError: the world built is not the stated one (e.g. ``world_size=2`` in a
@@ -91,9 +106,11 @@ def init(backend_name=None, *, rank=None, world_size=None):
             raise RuntimeError(f"init: already initialised with backend {world.backend!r}; call release() before "
                                f"init({backend_name!r})")
         _check_world(world.comm, world.backend, rank, world_size)
+        _set_waits(world.comm, timeout, stall_warning)
         return world.comm
     name = backend_name or _default_backend()
     comm = create_communicator(name)
+    _set_waits(comm, timeout, stall_warning)
     try:
         _check_world(comm, name, rank, world_size)
     except RuntimeError:
@@ -103,8 +120,17 @@ def init(backend_name=None, *, rank=None, world_size=None):
                 scope="process")
     if name in ("mpi", "nccl"):
         _install_except_hook(comm)
+        _install_exit_guard(comm)
         _limit_blas_threads(comm.local_size)
     return comm
+
+
+def _set_waits(comm, timeout, stall_warning):
+    from .comm.base import _check_seconds
+    if timeout is not None:
+        comm.timeout = _check_seconds(timeout, "init: timeout")
+    if stall_warning is not None:
+        comm.stall_warning = _check_seconds(stall_warning, "init: stall_warning")
 
 
 def release():
@@ -161,6 +187,68 @@ def run_threads(n, fn, *args, timeout=300.0):
 
 
 # ---- MPI job hygiene --------------------------------------------------------------------
+
+_exit = {"status": None, "comm": None}
+
+
+def _install_exit_guard(comm):
+    """``sys.exit`` remembers its status; at exit a non-zero one aborts the job, status 0 waits
+    (bounded) for the other ranks to leave too, so MPI_Finalize cannot wait forever."""
+    _exit["comm"] = comm  # the latest world's timeout bounds the wait at exit
+    if comm.size <= 1 or _hooks["exit_guard"] is not None:
+        return
+    real_exit = sys.exit
+
+    def exit_remembering_status(status=None):
+        if threading.current_thread() is threading.main_thread():  # sys.exit in a thread ends only it
+            _exit["status"] = status
+        real_exit(status)
+
+    exit_remembering_status.__wrapped__ = real_exit
+    _hooks["sys_exit"] = sys.exit = exit_remembering_status
+    _hooks["exit_guard"] = _exit_guard
+    atexit.register(_exit_guard)
+
+
+def _status_code(status):
+    """The process exit code ``sys.exit(status)`` gives: None -> 0, an int -> itself, else 1."""
+    if status is None:
+        return 0
+    return status if isinstance(status, int) else 1
+
+
+def _exit_guard():
+    from .comm.mpi import import_mpi, watch
+    MPI = import_mpi()
+    if MPI.Is_finalized():
+        return
+    comm, code = _exit["comm"], _status_code(_exit["status"])
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    if code != 0:
+        sys.stderr.write(f"minidl_parallel: rank {rank} of {size} called sys.exit({_exit['status']!r}); "
+                         f"aborting the MPI job so the other ranks do not wait for it\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(code)
+    side = watch()
+    if side is None:
+        return
+    # The others may still compute and then leave too (the normal end), or wait for this rank
+    # in a collective that will never come: answer their questions while waiting for them.
+    # The wait outlasts their timeout plus their question window, so the rank that waits in a
+    # collective is the one that reports (it knows which collective).
+    timeout = getattr(comm, "timeout", 0.0)
+    limit = timeout + 5.0 if timeout else float("inf")
+    side.state = ("exiting", code)
+    request = side.comm.Ibarrier()
+    start = time.monotonic()
+    while not request.Test():
+        side.serve()
+        if time.monotonic() - start > limit:
+            sys.stderr.write(f"minidl_parallel: rank {rank} of {size} finished (exit status {code}), but other "
+                             f"ranks did not finish within {limit:g} s; aborting the MPI job\n")
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+        time.sleep(1e-3)
 
 def _install_except_hook(comm):
     from .comm.mpi import import_mpi

@@ -4,9 +4,18 @@ A communicator joins ``size`` ranks. Every collective is *collective*: all ranks
 communicator call it, in the same order, with arrays of the same shape and dtype (the array
 arguments may differ in value only). A rank that calls collectives in another order, or with
 another shape, makes MPI and NCCL hang or corrupt memory; set ``MINIDL_DIST_DEBUG=1`` to have
-every collective first compare (sequence number, name, shape, dtype, arguments) across ranks
-and raise on every rank a RuntimeError that names the collective, the sequence number and
-each rank's call instead.
+every collective first compare its fingerprint (sequence number, name, shape, dtype,
+arguments) across ranks and raise on every rank a RuntimeError that names the collective, the
+sequence number and each rank's call instead; ``MINIDL_DIST_DEBUG=2`` adds the call site
+(file:line of the first frame outside minidl and minidl_parallel) to the fingerprint, which
+also catches two same-shape collectives called in a different order.
+
+No wait is unbounded: every blocking collective waits at most ``timeout`` seconds
+(``MINIDL_COLLECTIVE_TIMEOUT``, default 600, 0 = wait forever), warning after
+``stall_warning`` seconds (``MINIDL_STALL_WARNING_SECONDS``, default 60, 0 = never); the
+warning and the timeout name the collective, its sequence number, shape, dtype and the ranks
+that have not arrived. What a timeout does is the backend's: the threads backend raises
+:class:`CollectiveTimeout` on every rank, mpi and nccl print the message and abort the job.
 
 Arrays are raw ndarrays of the backend's device (NumPy for threads/mpi/local, CuPy for nccl).
 Results are identical on every rank: reductions combine the ranks' arrays in a fixed order
@@ -18,16 +27,90 @@ A backend implements only the private primitives below (``_allreduce``, ``_allga
 ``mean``, in-place variants, validation, counting and debug checks into calls to them.
 """
 import os
+import sys
+import time
+import warnings
 from abc import ABC, abstractmethod
 
 REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
+DEFAULT_TIMEOUT_S = 600.0  # PyTorch's NCCL default: long enough for a slow first step or checkpoint
+DEFAULT_STALL_WARNING_S = 60.0  # Horovod's stall inspector warns after 60 s
 
-__all__ = ["Communicator", "Request", "REDUCE_OPS", "debug_enabled"]
+__all__ = ["Communicator", "Request", "REDUCE_OPS", "CollectiveTimeout", "CollectiveStallWarning",
+           "debug_enabled", "debug_level", "timeout_from_env", "stall_warning_from_env"]
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than its communicator's ``timeout`` for the other ranks."""
+
+
+class CollectiveStallWarning(RuntimeWarning):
+    """A collective has waited ``stall_warning`` seconds; it goes on waiting until the timeout."""
+
+
+def debug_level():
+    """``MINIDL_DIST_DEBUG`` as a level: 0 (off), 1 (fingerprints: op, seq, shape, dtype) or
+    2 (1 plus the call site); "true", "yes" and "on" mean 1."""
+    value = os.environ.get("MINIDL_DIST_DEBUG", "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return 0
+    if value in ("1", "true", "yes", "on"):
+        return 1
+    if value == "2":
+        return 2
+    raise ValueError(f"MINIDL_DIST_DEBUG must be 0, 1 or 2 (or true/false), got {value!r}")
 
 
 def debug_enabled():
-    """True when ``MINIDL_DIST_DEBUG`` is set to a true value (1, true, yes, on)."""
-    return os.environ.get("MINIDL_DIST_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+    """True when ``MINIDL_DIST_DEBUG`` is set to a level >= 1."""
+    return debug_level() > 0
+
+
+def _seconds_from_env(name, default):
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds (0 = off), got {value!r}") from None
+    if seconds < 0:
+        raise ValueError(f"{name} must be >= 0 seconds (0 = off), got {value!r}")
+    return seconds
+
+
+def timeout_from_env():
+    """``MINIDL_COLLECTIVE_TIMEOUT`` in seconds (default 600; 0 turns the timeout off)."""
+    return _seconds_from_env("MINIDL_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT_S)
+
+
+def stall_warning_from_env():
+    """``MINIDL_STALL_WARNING_SECONDS`` (default 60; 0 turns the warning off)."""
+    return _seconds_from_env("MINIDL_STALL_WARNING_SECONDS", DEFAULT_STALL_WARNING_S)
+
+
+def _check_seconds(value, who):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{who} must be a number of seconds >= 0 (0 = off), got {value!r}")
+    return float(value)
+
+
+class CallInfo:
+    """What a rank is doing in a collective: name, sequence number, shape, dtype (for messages)."""
+
+    __slots__ = ("name", "seq", "shape", "dtype", "phase")
+
+    def __init__(self, name, seq, shape, dtype, phase=""):
+        self.name, self.seq, self.shape, self.dtype, self.phase = name, seq, shape, dtype, phase
+
+    def key(self):
+        """What two ranks waiting in the same collective share."""
+        return (self.name, self.seq, self.phase)
+
+    def __str__(self):
+        args = "" if self.shape is None else f"shape={self.shape}, dtype={self.dtype}"
+        phase = f" ({self.phase})" if self.phase else ""
+        return f"{self.name} #{self.seq}({args}){phase}"
 
 
 class Request:
@@ -89,19 +172,33 @@ class Communicator(ABC):
         collective_count: how many collectives this rank has called on this communicator
             (one per public call: allreduce, allreduce_, iallreduce_, allgather,
             reduce_scatter, broadcast, alltoall, barrier), for tests that count them.
-        debug: whether every collective first checks that all ranks make the same call
+        debug: 0, 1 or 2 (True means 1): whether every collective first checks that all
+            ranks make the same call, and with level 2 from the same line
             (default: the ``MINIDL_DIST_DEBUG`` environment variable).
+        timeout: seconds a collective waits for the other ranks before the job ends
+            (default ``MINIDL_COLLECTIVE_TIMEOUT`` or 600; 0 = no timeout). Settable.
+        stall_warning: seconds after which a waiting collective warns, naming the ranks that
+            have not arrived (default ``MINIDL_STALL_WARNING_SECONDS`` or 60; 0 = never).
     """
 
     backend = "base"
 
-    def __init__(self, rank, size, local_rank=None, local_size=None, debug=None):
+    def __init__(self, rank, size, local_rank=None, local_size=None, debug=None, timeout=None,
+                 stall_warning=None):
         self._rank = int(rank)
         self._size = int(size)
         self._local_rank = self._rank if local_rank is None else int(local_rank)
         self._local_size = self._size if local_size is None else int(local_size)
-        self.debug = debug_enabled() if debug is None else bool(debug)
+        self.debug = debug_level() if debug is None else _check_debug(debug)
+        self.timeout = timeout_from_env() if timeout is None else _check_seconds(timeout, "timeout")
+        self.stall_warning = (stall_warning_from_env() if stall_warning is None
+                              else _check_seconds(stall_warning, "stall_warning"))
         self.collective_count = 0
+        self._call = CallInfo("(none)", -1, None, None)  # the latest collective begun, for messages
+
+    def _settings(self):
+        """The keyword arguments a sub-communicator inherits."""
+        return {"debug": self.debug, "timeout": self.timeout, "stall_warning": self.stall_warning}
 
     # ---- identity -----------------------------------------------------------------------
 
@@ -303,18 +400,83 @@ class Communicator(ABC):
     # ---- helpers ------------------------------------------------------------------------
 
     def _begin(self, name, x, **params):
-        """Counts the collective and, in debug mode, checks that every rank makes the same call."""
+        """Counts the collective, remembers it for timeout messages and, in debug mode, checks
+        that every rank makes the same call (level 2: from the same line)."""
         seq = self.collective_count
         self.collective_count += 1
+        shape = None if x is None else tuple(int(d) for d in x.shape)
+        dtype = None if x is None else str(x.dtype)
+        self._call = CallInfo(name, seq, shape, dtype)
         if not self.debug:
             return
-        sig = (name, None if x is None else tuple(int(d) for d in x.shape),
-               None if x is None else str(x.dtype), tuple(sorted(params.items())))
+        sig = (name, shape, dtype, tuple(sorted(params.items())))
+        if self.debug >= 2:
+            sig += (_call_site(),)
+        self._call = CallInfo(name, seq, shape, dtype, "debug check")
         calls = self._allgather_object((seq, sig))
+        self._call = CallInfo(name, seq, shape, dtype)
         if any(c != calls[0] for c in calls):
             lines = "; ".join(f"rank {r}: #{s} {_describe(sg)}" for r, (s, sg) in enumerate(calls))
-            raise RuntimeError(f"MINIDL_DIST_DEBUG: ranks disagree at collective #{seq} ({name} on rank "
-                               f"{self.rank}): {lines}")
+            raise RuntimeError(f"MINIDL_DIST_DEBUG={self.debug}: ranks disagree at collective #{seq} ({name} on "
+                               f"rank {self.rank}): {lines}")
+
+    # ---- bounded waiting ----------------------------------------------------------------
+
+    def _wait_for(self, is_done, call=None):
+        """Polls ``is_done()`` until it is true, bounded by ``timeout``; warns at ``stall_warning``.
+
+        Latency first: a tight spin of about 50 us (most collectives of a training step finish
+        there), then sleeps that double from 20 us up to 1 ms, so a long wait costs little CPU
+        and a short one adds at most a few microseconds.
+        """
+        if is_done():
+            return
+        call = self._call if call is None else call
+        start = time.perf_counter()
+        spin_until = start + 50e-6
+        while time.perf_counter() < spin_until:
+            if is_done():
+                return
+        warn_at = start + self.stall_warning if self.stall_warning else float("inf")
+        deadline = start + self.timeout if self.timeout else float("inf")
+        nap = 20e-6
+        while not is_done():
+            now = time.perf_counter()
+            if now >= deadline:
+                self._on_timeout(call, now - start)
+                return
+            if now >= warn_at:
+                warn_at = float("inf")
+                self._on_stall(call, now - start)
+                continue
+            if nap >= 1e-3:
+                self._serve_peers(call)  # only once the wait is long: answers "where are you?"
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
+
+    def _missing_ranks(self, call):
+        """(ranks that have not arrived at ``call``, a note on what the others do); backends
+        that can tell override it."""
+        return None, ""
+
+    def _serve_peers(self, call):
+        """Hook for backends whose peers ask, on a stall, which collective this rank waits in."""
+
+    def _stall_message(self, call, waited, verb):
+        missing, note = self._missing_ranks(call)
+        who = "unknown" if missing is None else (str(sorted(missing)) if missing else "none")
+        return (f"minidl_parallel: rank {self.rank} of {self.size} ({self.backend} backend): {call} {verb} "
+                f"{waited:.1f} s; ranks that have not arrived: {who}{note}")
+
+    def _on_stall(self, call, waited):
+        warnings.warn(self._stall_message(call, waited, "has waited") +
+                      f" (the timeout ends the job after {self.timeout:g} s)", CollectiveStallWarning,
+                      stacklevel=2)
+
+    def _on_timeout(self, call, waited):
+        """Ends the wait: the default raises :class:`CollectiveTimeout` on this rank."""
+        raise CollectiveTimeout(self._stall_message(call, waited, "timed out after") +
+                                " (set MINIDL_COLLECTIVE_TIMEOUT or init(timeout=...) to change the limit)")
 
     def _reduce_into(self, buf, op, who):
         self._check_mean_dtype(buf, op, who)
@@ -351,8 +513,48 @@ class Communicator(ABC):
         return ranks
 
 
+def _check_debug(debug):
+    if debug is True or debug is False:
+        return int(debug)
+    if debug not in (0, 1, 2):
+        raise ValueError(f"debug must be 0, 1, 2, True or False, got {debug!r}")
+    return int(debug)
+
+
+def _package_dirs():
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # minidl_parallel/
+    dirs = [here + os.sep]
+    core = sys.modules.get("minidl")
+    core_file = getattr(core, "__file__", None)
+    dirs.append((os.path.dirname(os.path.abspath(core_file)) if core_file else
+                 os.path.join(os.path.dirname(here), "minidl")) + os.sep)
+    return tuple(dirs)
+
+
+_PACKAGE_DIRS = None
+_INSIDE = {}  # co_filename -> whether it lies in minidl or minidl_parallel (abspath is slow)
+
+
+def _call_site():
+    """file:line of the first frame outside minidl and minidl_parallel (the user's call)."""
+    global _PACKAGE_DIRS
+    if _PACKAGE_DIRS is None:
+        _PACKAGE_DIRS = _package_dirs()
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        inside = _INSIDE.get(filename)
+        if inside is None:
+            inside = _INSIDE[filename] = os.path.abspath(filename).startswith(_PACKAGE_DIRS)
+        if not inside:
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "(inside minidl)"
+
+
 def _describe(sig):
-    name, shape, dtype, params = sig
+    name, shape, dtype, params = sig[:4]
     args = [f"shape={shape}", f"dtype={dtype}"] if shape is not None else []
     args += [f"{k}={v!r}" for k, v in params]
-    return f"{name}({', '.join(args)})"
+    site = f" at {sig[4]}" if len(sig) > 4 else ""
+    return f"{name}({', '.join(args)}){site}"

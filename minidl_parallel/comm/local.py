@@ -9,8 +9,9 @@ class LocalCommunicator(Communicator):
 
     backend = "local"
 
-    def __init__(self, debug=None):
-        super().__init__(0, 1, debug=debug)
+    def __init__(self, debug=None, timeout=None, stall_warning=None):
+        # One rank never waits for another: the timeout settings are kept only for split().
+        super().__init__(0, 1, debug=debug, timeout=timeout, stall_warning=stall_warning)
 
     def _allreduce(self, buf, op):
         pass
@@ -34,4 +35,4 @@ class LocalCommunicator(Communicator):
         return [obj]
 
     def _split(self, ranks):
-        return LocalCommunicator(debug=self.debug)
+        return LocalCommunicator(**self._settings())

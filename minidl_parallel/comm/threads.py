@@ -6,7 +6,11 @@ at a second barrier (so nobody overwrites a slot another rank is still reading).
 add the slots in rank order, so every rank gets bit-identical results.
 
 A rank that raises, or returns while others wait for it in a collective, must not hang the
-rest: barriers poll the world's state and raise :class:`CollectiveAborted` then.
+rest: barriers poll the world's state and raise :class:`CollectiveAborted` then. A rank that
+stalls is caught by the communicator's ``timeout``: the barrier knows who has arrived, so the
+rank that times out raises :class:`~minidl_parallel.comm.base.CollectiveTimeout` naming the
+ranks that have not, and aborts the world (the others raise CollectiveAborted with the same
+reason); ``stall_warning`` warns with the same names first.
 
 Worlds of several ranks are started by :func:`minidl_parallel.run_threads`, which gives
 every thread its parallel runtime (as ``init()`` does for a process):
@@ -19,10 +23,11 @@ Example:
 """
 import threading
 import time
+import warnings
 
 import numpy
 
-from .base import Communicator
+from .base import CollectiveStallWarning, CollectiveTimeout, Communicator
 
 __all__ = ["ThreadsCommunicator", "ThreadsWorld", "CollectiveAborted", "run_ranks"]
 
@@ -63,21 +68,41 @@ class _Group:
         self.members = tuple(members)  # world ranks, in group-rank order
         self.slots = [None] * len(members)
         self._cond = threading.Condition()
-        self._arrived = 0
+        self._arrived = set()  # group ranks waiting at the barrier of this generation
         self._generation = 0
 
-    def wait(self, group_rank, what):
+    def wait(self, group_rank, what, comm=None):
+        """Returns once every member has called it; bounded by ``comm``'s timeout."""
         with self._cond:
             gen = self._generation
-            self._arrived += 1
-            if self._arrived == len(self.members):
-                self._arrived = 0
+            self._arrived.add(group_rank)
+            if len(self._arrived) == len(self.members):
+                self._arrived = set()
                 self._generation += 1
                 self._cond.notify_all()
                 return
+            start = time.monotonic()
+            warned = False
             while self._generation == gen:
                 self._check_alive(group_rank, what)
-                self._cond.wait(_POLL_S)
+                waited = time.monotonic() - start
+                if comm is not None and comm.timeout and waited >= comm.timeout:
+                    message = self._stall_message(group_rank, what, comm, waited, "timed out after")
+                    self.world.abort(message)
+                    raise CollectiveTimeout(message + " (set MINIDL_COLLECTIVE_TIMEOUT or "
+                                            "init(timeout=...) to change the limit)")
+                if comm is not None and comm.stall_warning and not warned and waited >= comm.stall_warning:
+                    warned = True
+                    warnings.warn(self._stall_message(group_rank, what, comm, waited, "has waited"),
+                                  CollectiveStallWarning, stacklevel=2)
+                self._cond.wait(_POLL_S if comm is None or not comm.timeout else min(_POLL_S, comm.timeout / 10))
+
+    def _stall_message(self, group_rank, what, comm, waited, verb):
+        missing = [r for r in range(len(self.members)) if r not in self._arrived]
+        world = "" if list(self.members) == list(range(len(self.members))) else \
+            f" (world ranks {[self.members[r] for r in missing]})"
+        return (f"threads backend: rank {group_rank} of {len(self.members)}: {comm._call} {verb} "
+                f"{waited:.1f} s; ranks that have not arrived: {missing}{world} [{what}]")
 
     def _check_alive(self, group_rank, what):
         world = self.world
@@ -90,12 +115,12 @@ class _Group:
             raise CollectiveAborted(f"threads backend: rank {me}: {what} can never complete: rank(s) {gone} "
                                     f"already returned (ranks called different collectives)")
 
-    def exchange(self, group_rank, value, what):
+    def exchange(self, group_rank, value, what, comm=None):
         """Every member's ``value``, in group-rank order (call with the same ``what`` on all)."""
         self.slots[group_rank] = value
-        self.wait(group_rank, what)
+        self.wait(group_rank, what, comm)
         values = list(self.slots)
-        self.wait(group_rank, what)
+        self.wait(group_rank, what, comm)
         return values
 
 
@@ -104,8 +129,8 @@ class ThreadsCommunicator(Communicator):
 
     backend = "threads"
 
-    def __init__(self, world, group, rank, debug=None):
-        super().__init__(rank, len(group.members), debug=debug)
+    def __init__(self, world, group, rank, debug=None, timeout=None, stall_warning=None):
+        super().__init__(rank, len(group.members), debug=debug, timeout=timeout, stall_warning=stall_warning)
         self._world = world
         self._group = group
         self._split_calls = {}
@@ -115,7 +140,7 @@ class ThreadsCommunicator(Communicator):
         return self._group.members[self.rank]
 
     def _exchange(self, value, what):
-        return self._group.exchange(self.rank, value, what)
+        return self._group.exchange(self.rank, value, what, self)
 
     def _allreduce(self, buf, op):
         values = self._exchange(buf.copy(), f"allreduce(op={op!r})")
@@ -151,7 +176,7 @@ class ThreadsCommunicator(Communicator):
         return numpy.stack([v[self.rank] for v in values])
 
     def _barrier(self):
-        self._group.wait(self.rank, "barrier")
+        self._group.wait(self.rank, "barrier", self)
 
     def _allgather_object(self, obj):
         return self._exchange(obj, "debug check")
@@ -162,7 +187,7 @@ class ThreadsCommunicator(Communicator):
         self._split_calls[ranks] = n + 1
         members = [self._group.members[r] for r in ranks]
         group = self._world.group((id(self._group), ranks, n), members)
-        return ThreadsCommunicator(self._world, group, ranks.index(self.rank), debug=self.debug)
+        return ThreadsCommunicator(self._world, group, ranks.index(self.rank), **self._settings())
 
 
 def _check_same(values, name):

@@ -4,6 +4,11 @@ Each ``.bin`` file is a run of 3073-byte records: one label byte, then the 32x32
 three 1024-byte planes (red, green, blue), each row-major. The planes are read with one
 ``numpy.memmap`` per file and turned into HWC by a reshape and a transpose, so loading costs
 one copy of the data and no Python loop per record.
+
+The format has no header, so a file cut exactly at a record boundary looks whole. Every file
+of the release holds 10000 records: when any standard file in the folder holds exactly that
+many (the folder is the release), a file read with fewer raises, naming both counts. A folder
+whose files all hold fewer (a cut-down copy, as tests make) is read as it is.
 """
 import os
 
@@ -17,6 +22,7 @@ TEST_FILES = ("test_batch.bin",)
 IMAGE_SHAPE = (32, 32, 3)
 RECORD_BYTES = 1 + 32 * 32 * 3
 NUM_CLASSES = 10
+RECORDS_PER_FILE = 10000  # every file of the official release: 5 x 10000 training, 10000 test images
 
 _USAGE_FILES = {"train": TRAIN_FILES, "test": TEST_FILES, "all": TRAIN_FILES + TEST_FILES}
 
@@ -50,6 +56,22 @@ def _check_size(path):
     return size // RECORD_BYTES
 
 
+def _check_release_counts(folder, paths, counts):
+    """Raises when the folder is the official release (a standard file, read or not, holds its
+    10000 records) but a file read holds fewer: cut at a record boundary, its tail is lost."""
+    full = [name for name in TRAIN_FILES + TEST_FILES
+            if os.path.isfile(os.path.join(folder, name))
+            and os.path.getsize(os.path.join(folder, name)) == RECORDS_PER_FILE * RECORD_BYTES]
+    if not full:
+        return
+    for path, count in zip(paths, counts):
+        if count < RECORDS_PER_FILE:
+            raise ValueError(f"Cifar10Dataset: {path} is truncated: it holds {count} records of {RECORD_BYTES} "
+                             f"bytes, but every file of the CIFAR-10 binary release holds {RECORDS_PER_FILE} (as "
+                             f"{full[0]} in the same folder does); {RECORDS_PER_FILE - count} records are missing. "
+                             f"Download and unpack the release again")
+
+
 def load_cifar10(dataset_dir, usage="train"):
     """Reads CIFAR-10 binary files into arrays.
 
@@ -75,6 +97,7 @@ def load_cifar10(dataset_dir, usage="train"):
         raise FileNotFoundError(f"Cifar10Dataset: missing {', '.join(missing)} in {folder} for usage={usage!r}; "
                                 f"expected files: {', '.join(names)}")
     counts = [_check_size(path) for path in paths]
+    _check_release_counts(folder, paths, counts)
     images = numpy.empty((sum(counts),) + IMAGE_SHAPE, dtype=numpy.uint8)
     labels = numpy.empty(sum(counts), dtype=numpy.int32)
     start = 0

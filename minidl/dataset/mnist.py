@@ -67,8 +67,19 @@ def read_idx(path, magic):
     if actual != expected:
         what = "truncated" if actual < expected else "longer than its header says"
         raise ValueError(f"MnistDataset: {path} is {what}: header shape {shape} needs {expected} bytes of "
-                         f"data, found {actual}")
+                         f"data, found {actual}; {_records_found(shape, actual, magic)}")
     return raw[header:].reshape(shape)
+
+
+def _records_found(shape, actual, magic):
+    """'the header states N images, the file holds M': the counts a reader compares (a file cut
+    at a record boundary differs from its header only in them)."""
+    kind = {IMAGES_MAGIC: "images", LABELS_MAGIC: "labels"}.get(magic, "records")
+    record = int(numpy.prod(shape[1:]))  # bytes per image (1 per label)
+    held = f"{actual // record}" if record else "?"
+    partial = actual % record if record else 0
+    tail = f" and {partial} bytes of another" if partial else ""
+    return f"the header states {shape[0]} {kind}, the file holds {held}{tail}"
 
 
 def _load_split(folder, split):

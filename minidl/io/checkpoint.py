@@ -19,6 +19,7 @@ Example:
 """
 import numbers
 import os
+import warnings
 
 import numpy
 
@@ -28,7 +29,13 @@ from ..runtime import get_runtime
 from ..tensor import Parameter, Tensor
 from . import safetensors
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_param_into_net", "load_checkpoint_metadata"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_param_into_net", "load_checkpoint_metadata",
+           "CheckpointLoadWarning"]
+
+
+class CheckpointLoadWarning(UserWarning):
+    """``load_param_into_net`` (strict_load=False) left parameters without a value or
+    checkpoint entries unused; the message names every one of them."""
 
 
 def _to_numpy(who, name, value):
@@ -186,12 +193,15 @@ def load_checkpoint(ckpt_file_name, net=None, strict_load=False, filter_prefix=N
             continue
         params[name] = Parameter(array, name=name)
     if net is not None:
-        load_param_into_net(net, params, strict_load=strict_load)
+        missing, unused = load_param_into_net_quietly(net, params, strict_load, who)
+        if not strict_load:
+            _warn_unmatched(who, missing, unused)
     return params
 
 
 def load_checkpoint_metadata(ckpt_file_name):
-    """The ``append_dict`` scalars saved with a checkpoint, as a dict str -> str."""
+    """The ``append_dict`` scalars saved with a checkpoint, as a dict str -> str (without the
+    file's checksums, which loading verifies)."""
     return safetensors.load_metadata(ckpt_file_name)
 
 
@@ -248,6 +258,12 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
     either way loads. Values are cast to each parameter's dtype. Nothing is copied when any
     shape differs or when an entry matches two parameters.
 
+    With ``strict_load=False``, a partial match loads what matches and issues one
+    ``CheckpointLoadWarning`` naming every parameter that got no value (it keeps its current
+    value) and every checkpoint entry that matched no parameter, as MindSpore logs both; none
+    when everything matched. With ``strict_load=True`` a missing parameter raises instead, and
+    unused entries are only returned (a training checkpoint also holds optimizer state).
+
     Args:
         net: a Cell (or anything with ``parameters_and_names()``, e.g. an Optimizer).
         parameter_dict: name -> Parameter / Tensor / array, e.g. from ``load_checkpoint``.
@@ -263,6 +279,36 @@ def load_param_into_net(net, parameter_dict, strict_load=False):
             several parameters (see ``match_parameters``).
     """
     who = "load_param_into_net"
+    missing, unused = load_param_into_net_quietly(net, parameter_dict, strict_load, who)
+    if not strict_load:
+        _warn_unmatched(who, missing, unused)
+    return missing, unused
+
+
+def _warn_unmatched(who, missing, unused):
+    """One CheckpointLoadWarning naming every unloaded parameter and unused entry, if any;
+    attributed to the caller of the public function that called this."""
+    if not missing and not unused:
+        return
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} parameter(s) of the net got no value and keep their current values: {missing}")
+    if unused:
+        parts.append(f"{len(unused)} checkpoint entr{'y' if len(unused) == 1 else 'ies'} matched no parameter: "
+                     f"{unused}")
+    if missing:
+        advice = ("check that the network is built as when the checkpoint was saved (strict_load=True makes "
+                  "missing parameters an error)")
+    else:  # nothing is missing: most likely state the net has no use for, e.g. an optimizer's
+        advice = ("entries the net does not need (e.g. the optimizer state of a training checkpoint) can be "
+                  "left out with load_checkpoint's specify_prefix, filter_prefix or choice_func")
+    warnings.warn(f"{who}: " + "; ".join(parts) + "; " + advice, CheckpointLoadWarning, stacklevel=3)
+
+
+def load_param_into_net_quietly(net, parameter_dict, strict_load=False, who="load_param_into_net"):
+    """``load_param_into_net`` without its warning, for callers that load a part of a
+    checkpoint on purpose (e.g. an optimizer's state out of a file that also holds the
+    network's parameters) and check the returned lists themselves."""
     if not hasattr(net, "parameters_and_names"):
         raise TypeError(f"{who}: net must be a Cell (anything with parameters_and_names()), got {type(net).__name__}")
     if not isinstance(parameter_dict, dict):

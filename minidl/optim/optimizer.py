@@ -250,8 +250,8 @@ class Optimizer:
         checkpoint) are ignored. Returns the buffer names not found in ``state``; with
         ``strict`` a missing name raises ValueError.
         """
-        from ..io.checkpoint import load_param_into_net
-        param_not_load, _ = load_param_into_net(self, state, strict_load=strict)
+        from ..io.checkpoint import load_param_into_net_quietly  # the network's entries are expected: no warning
+        param_not_load, _ = load_param_into_net_quietly(self, state, strict_load=strict, who="Optimizer.load_state_dict")
         return param_not_load
 
     # ---- learning rate --------------------------------------------------------------------

@@ -99,6 +99,23 @@ class Callback:
     def on_eval_end(self, run_context):
         self.end(run_context)
 
+    # minidl's addition: agreeing with the same callback on the other ranks. Model.train
+    # gathers, in the one small exchange it makes when a parallel run starts, every callback's
+    # plan, and hands each callback its counterparts' (the same class, in the same position
+    # among those with a plan). A callback that must act with the other ranks (ModelCheckpoint:
+    # one prefix for all, skip a save together) learns this way which ranks run it too, so a
+    # callback that only rank 0 runs never waits for ranks that will not come.
+
+    def _rank_plan(self, batch_num):
+        """A small picklable value to share with the other ranks when training starts, or None
+        (the default: nothing to share)."""
+        return None
+
+    def _adopt_rank_plans(self, plans):
+        """Called before ``on_train_begin`` with every rank's plan from its counterpart of this
+        callback, in rank order (None for a rank without one), or with None when nothing was
+        exchanged (one process, or ranks that do not train in lockstep)."""
+
 
 class CallbackParam(dict):
     """The ``cb_params`` dict, whose keys are also attributes (``cb_params.cur_step_num``)."""

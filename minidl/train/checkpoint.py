@@ -13,26 +13,54 @@ framework's random state, so ``Model.train(..., resume_from=path)`` continues ex
     seed           minidl.get_seed() ("None" when unset)
     rng_state      minidl.backend.rng().bit_generator.state, as JSON
 
+ModelCheckpoint adds who wrote the file (``save_train_state`` alone does not: a file saved by
+hand on one rank stays every rank's starting point):
+
+    rank           the rank that wrote it (0 on one device)
+    group_size     the number of ranks of the run (1 on one device)
+
 Files are named ``{prefix}-{epoch}_{step_in_epoch}.ckpt``. As in MindSpore, when the
 directory already holds checkpoints with the same prefix, a new ModelCheckpoint writes
 under ``{prefix}_1``, ``{prefix}_2`` ... so that a second run never deletes the first one's.
+
+Several ranks (data or tensor parallelism) may share one directory. Their states differ
+(BatchNorm moving statistics under data parallelism without SyncBatchNorm, random state,
+blocks saved with ``integrated_save=False``), so every rank writes its own file: rank 0 the
+name above, rank r > 0 ``{prefix}-{epoch}_{step_in_epoch}_rank{r}.ckpt``. The prefix
+(``prefix_N``) is decided once, by the lowest rank writing into the directory, and adopted
+by the others, so no two ranks ever write or remove the same path. Ranks with directories
+of their own keep the plain names. ``latest_checkpoint`` returns the calling rank's file,
+and ``restore_train_state`` (``Model.train(resume_from=...)``) maps rank 0's name to the
+calling rank's own file, so every rank may be given the same path. The ranks learn who
+shares a directory from the one exchange ``Model.train`` makes when a parallel run starts
+(``Callback._rank_plan``), so a ModelCheckpoint that rank 0 alone runs never waits for the
+others.
+
+A save is skipped, with a warning, when a parameter or optimizer state is NaN or inf (on
+any rank of those that save together): older, finite checkpoints are kept instead of being
+pruned in favour of a diverged one.
 """
 import collections
 import json
 import os
 import re
 import time
+import warnings
 
 from .. import backend
+from ..io.safetensors import remove_stale_temp_files
 from ..io.checkpoint import (save_checkpoint, load_checkpoint, load_param_into_net, load_checkpoint_metadata,
                              keyed_parameters, match_parameters)
 from ..runtime import get_runtime
 from .callbacks import Callback
 
 __all__ = ["CheckpointConfig", "ModelCheckpoint", "latest_checkpoint", "save_train_state", "restore_train_state",
-           "TrainPosition"]
+           "TrainPosition", "rank_checkpoint_path"]
 
 _STATE_KEYS = ("epoch_num", "step_num", "step_in_epoch", "batch_num", "seed", "rng_state")
+# Who wrote the file: lets a rank refuse another rank's file instead of resuming from it silently.
+_RANK_KEYS = ("rank", "group_size")
+_RESERVED_KEYS = _STATE_KEYS + _RANK_KEYS
 
 TrainPosition = collections.namedtuple("TrainPosition", "epoch skip_batches global_step batch_num")
 TrainPosition.__doc__ = """Where a resumed run starts: ``epoch`` (0-based) and ``skip_batches`` (steps of that
@@ -77,14 +105,19 @@ def restore_train_state(path, network, optimizer, who="Model.train"):
     """Loads a ``save_train_state`` checkpoint into network and optimizer, restores the seed
     and the framework's random generator, and returns the TrainPosition to continue from.
 
+    Under several ranks each resumes from its own file: given rank 0's file
+    (``net-2_5.ckpt``), rank r > 0 reads ``net-2_5_rank{r}.ckpt`` beside it when it exists
+    (see :func:`rank_checkpoint_path`); resuming from another rank's file (rank 0 alone saved)
+    warns that per-rank state (BatchNorm statistics, random state) is that rank's.
+    A file that does not record its rank (``save_train_state`` called by hand, older files) or
+    that one process wrote is read by every rank.
+
     Raises:
-        FileNotFoundError: path does not exist.
+        FileNotFoundError: path does not exist (nor, under several ranks, this rank's file).
         ValueError: the file is not a training checkpoint, or lacks some parameter or
             optimizer state, or a shape differs (nothing is loaded then).
     """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{who}: resume_from checkpoint {path!r} does not exist")
+    path = _own_checkpoint(os.fspath(path), who)
     meta = load_checkpoint_metadata(path)
     missing = [k for k in _STATE_KEYS if k not in meta]
     if missing:
@@ -114,6 +147,51 @@ def restore_train_state(path, network, optimizer, who="Model.train"):
     if step_in_epoch >= batch_num:  # the epoch was complete: start the next one
         return TrainPosition(epoch_num, 0, step_num, batch_num)
     return TrainPosition(epoch_num - 1, step_in_epoch, step_num, batch_num)
+
+
+def rank_checkpoint_path(path, rank):
+    """The name rank ``rank`` gives its own copy of the checkpoint ``path`` (rank 0's name).
+
+    Rank 0 keeps the name; rank r > 0 adds ``_rank{r}`` before the extension:
+    ``ckpt/net-2_5.ckpt`` -> ``ckpt/net-2_5_rank1.ckpt``. A path that already ends so is
+    returned unchanged.
+    """
+    path = os.fspath(path)
+    if rank == 0:
+        return path
+    root, ext = os.path.splitext(path)
+    if root.endswith(f"_rank{rank}"):
+        return path
+    return f"{root}_rank{rank}{ext}"
+
+
+def _own_checkpoint(path, who):
+    """The file the calling rank resumes from, given the path the user passed (rank 0's name,
+    or this rank's own), checked to hold this rank's state."""
+    runtime = get_runtime()
+    size = runtime.group_size()
+    if size <= 1:  # one process: the path as given, whoever wrote it
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{who}: resume_from checkpoint {path!r} does not exist")
+        return path
+    rank = runtime.rank()
+    own = rank_checkpoint_path(path, rank)
+    chosen = own if os.path.isfile(own) else path
+    if not os.path.isfile(chosen):
+        beside = f" (nor rank {rank}'s own file {own!r})" if own != path else ""
+        raise FileNotFoundError(f"{who}: resume_from checkpoint {path!r} does not exist{beside}")
+    meta = load_checkpoint_metadata(chosen)
+    saved_rank, saved_size = meta.get("rank"), meta.get("group_size")
+    # A file without these keys, or one of a single-process run, is every rank's starting point.
+    if saved_rank is not None and saved_size not in (None, "1") and saved_rank != str(rank):
+        # Rank 0 alone saved (the PyTorch habit): its parameters and optimizer state are every
+        # rank's under data parallelism, so resuming works, but not bit for bit: say so.
+        warnings.warn(f"{who}: rank {rank} of {size} resumes from {chosen!r}, rank {saved_rank}'s state of a "
+                      f"{saved_size}-rank run, since its own file {own!r} does not exist: what differs between "
+                      f"ranks (BatchNorm moving statistics, the random state) is rank {saved_rank}'s, so this run "
+                      f"will not equal the uninterrupted one bit for bit; run ModelCheckpoint on every rank to "
+                      f"resume exactly", RuntimeWarning, stacklevel=3)
+    return chosen
 
 
 def _check_int(name, value):
@@ -190,7 +268,7 @@ class CheckpointConfig:
                     if not isinstance(k, str) or not isinstance(v, (int, float, bool, str)):
                         raise TypeError(f"CheckpointConfig: append_info dict entries must be str -> int/float/bool/"
                                         f"str, got {k!r}: {type(v).__name__}")
-                    if k in _STATE_KEYS:
+                    if k in _RESERVED_KEYS:
                         raise ValueError(f"CheckpointConfig: append_info key {k!r} is reserved for the training state")
                 out.update(item)
             else:
@@ -209,11 +287,13 @@ class CheckpointConfig:
 
 
 def _pattern(prefix):
-    return re.compile(rf"^{re.escape(prefix)}(?:_(\d+))?-(\d+)_(\d+)\.ckpt$")
+    # groups: run suffix N of prefix_N, epoch, step in epoch, writing rank (None: rank 0's name)
+    return re.compile(rf"^{re.escape(prefix)}(?:_(\d+))?-(\d+)_(\d+)(?:_rank(\d+))?\.ckpt$")
 
 
 def _unique_prefix(directory, prefix):
-    """prefix, or prefix_N (N one more than any used) when the directory has its checkpoints."""
+    """prefix, or prefix_N (N one more than any used) when the directory has its checkpoints
+    (any rank's: a new run must not overwrite another rank's files of an earlier one)."""
     pattern, suffix = _pattern(prefix), -1
     for name in os.listdir(directory):
         m = pattern.match(name)
@@ -222,22 +302,48 @@ def _unique_prefix(directory, prefix):
     return prefix if suffix < 0 else f"{prefix}_{suffix + 1}"
 
 
+def _calling_rank():
+    runtime = get_runtime()
+    return runtime.rank() if runtime.group_size() > 1 else 0
+
+
 def latest_checkpoint(directory, prefix="CKP"):
     """The newest checkpoint ModelCheckpoint(prefix) wrote in directory, or None.
 
     Newest means: of the latest run (``prefix_N`` with the largest N, ``prefix`` being run
-    0), the largest (epoch, step).
+    0), the largest (epoch, step). Under several ranks it is the calling rank's own file: on
+    rank r > 0 the newest ``..._rank{r}.ckpt``, else (a directory of its own) the newest plain
+    name; rank 0 (and one process) only looks at plain names.
     """
     if not os.path.isdir(directory):
         return None
-    pattern, best = _pattern(prefix), None
+    rank = _calling_rank()
+    pattern, best = _pattern(prefix), {}
     for name in os.listdir(directory):
         m = pattern.match(name)
-        if m:
-            key = (int(m.group(1) or 0), int(m.group(2)), int(m.group(3)))
-            if best is None or key > best[0]:
-                best = (key, name)
-    return None if best is None else os.path.join(directory, best[1])
+        if not m:
+            continue
+        writer = int(m.group(4) or 0)
+        if writer not in (0, rank):
+            continue
+        key = (int(m.group(1) or 0), int(m.group(2)), int(m.group(3)))
+        if writer not in best or key > best[writer][0]:
+            best[writer] = (key, name)
+    found = best.get(rank) or best.get(0)
+    return None if found is None else os.path.join(directory, found[1])
+
+
+def _non_finite(tensors):
+    """The names of the floating tensors in ``tensors`` (name -> Parameter) holding a NaN or inf."""
+    bad = []
+    for name, tensor in tensors.items():
+        data = tensor.data if hasattr(tensor, "data") else tensor
+        if getattr(data, "dtype", None) is None or data.dtype.kind not in "fc":
+            continue  # integers (global_step) cannot be NaN
+        xp = backend.get_array_module(data)
+        if not bool(xp.isfinite(data).all()):
+            bad.append(name)
+    return bad
 
 
 class ModelCheckpoint(Callback):
@@ -247,6 +353,15 @@ class ModelCheckpoint(Callback):
         prefix: file name prefix (no '/').
         directory: where to write (created if needed); None: the current directory.
         config: a CheckpointConfig (default: every step, keep 5).
+
+    A save is skipped, with a RuntimeWarning naming them, when parameters or optimizer
+    states of the saved network hold NaN or inf, and no older file is removed for it: a
+    diverged run keeps its last finite checkpoints (under several ranks the ranks skip
+    together when any has one).
+
+    Under several ranks sharing ``directory``, rank r > 0 writes ``..._rank{r}.ckpt`` beside
+    rank 0's file, and the prefix is the one the lowest rank in the directory chose (see the
+    module docstring); this is settled when training begins.
 
     Example:
         >>> ckpt = ModelCheckpoint("net", "ckpt", CheckpointConfig(save_checkpoint_steps=100))
@@ -267,11 +382,20 @@ class ModelCheckpoint(Callback):
         self._config = config
         self._directory = os.path.abspath(os.fspath(directory)) if directory is not None else os.getcwd()
         os.makedirs(self._directory, exist_ok=True)
+        # Temporary files of writers killed mid-save (kill -9, a lost node) pile up otherwise;
+        # only those of dead processes on this host go, never a live writer's.
+        remove_stale_temp_files(self._directory)
+        # This process's proposal; under several ranks sharing the directory, on_train_begin
+        # replaces it with the lowest such rank's (listings taken at different moments differ).
         self._prefix = _unique_prefix(self._directory, prefix)
         self._saved = []  # (path, time) of the files this callback wrote and still keeps
         self._latest_ckpt_file_name = ""
         self._last_triggered_step = 0
         self._last_time = time.time()
+        # Settled with the other ranks when Model.train starts (None: used outside Model.train,
+        # then rank r > 0 adds _rank{r} and decides alone):
+        self._name_rank = None  # the rank in this rank's file names (0: rank 0's plain names)
+        self._together = False  # whether every rank reaches every save (decisions are combined)
 
     @property
     def latest_ckpt_file_name(self):
@@ -291,6 +415,34 @@ class ModelCheckpoint(Callback):
         self._last_triggered_step = run_context.original_args().cur_step_num
         self._last_time = time.time()
 
+    def _rank_plan(self, batch_num):
+        cfg = self._config
+        return (self._prefix, os.path.realpath(self._directory),
+                (batch_num, cfg.save_checkpoint_steps, cfg.save_checkpoint_seconds))
+
+    def _adopt_rank_plans(self, plans):
+        """Settles the prefix, the file names and whether saves are decided together, from the
+        plans of the ModelCheckpoints on every rank (see ``Callback._adopt_rank_plans``).
+
+        Ranks writing into one directory take the lowest such rank's prefix (listings taken at
+        different moments may differ) and name their files by rank. Saves are decided together
+        (the NaN verdict, a time-based schedule) only when every rank runs a ModelCheckpoint on
+        the same schedule and steps per epoch: a ModelCheckpoint on rank 0 alone, or ranks
+        saving at different steps (uneven inputs), decide alone, so no rank waits for one that
+        never comes. Without an exchange (``plans`` None: one process, or ranks that train
+        independently) rank r > 0 adds ``_rank{r}`` and decides alone.
+        """
+        runtime = get_runtime()
+        rank = runtime.rank() if runtime.group_size() > 1 else 0
+        if plans is None:
+            self._name_rank, self._together = rank, False
+            return
+        mine = plans[rank]
+        sharing = [r for r, plan in enumerate(plans) if plan is not None and plan[1] == mine[1]]
+        self._prefix = plans[sharing[0]][0]  # the lowest rank in this directory decides
+        self._name_rank = rank if len(sharing) > 1 else 0
+        self._together = all(plan is not None and plan[2] == mine[2] for plan in plans)
+
     def on_train_step_end(self, run_context):
         self._save(run_context.original_args(), force=False)
 
@@ -304,24 +456,67 @@ class ModelCheckpoint(Callback):
         if cfg.save_checkpoint_steps:
             return cb_params.cur_step_num >= self._last_triggered_step + cfg.save_checkpoint_steps
         if cfg.save_checkpoint_seconds:
-            # Clocks differ between ranks: rank 0 decides for all (a save may be a collective).
-            return bool(get_runtime().agree(time.time() - self._last_time > cfg.save_checkpoint_seconds))
+            due = time.time() - self._last_time > cfg.save_checkpoint_seconds
+            # Clocks differ between ranks: when they save together rank 0 decides for all (a
+            # save may be a collective).
+            return bool(get_runtime().agree(due)) if self._together else due
         return False
+
+    def _file_name(self, epoch, step_in_epoch):
+        name_rank = self._name_rank
+        if name_rank is None:  # used outside Model.train: the safe choice, own names on rank r > 0
+            name_rank = _calling_rank()
+        return rank_checkpoint_path(os.path.join(self._directory, f"{self._prefix}-{epoch}_{step_in_epoch}.ckpt"),
+                                    name_rank)
+
+    def _non_finite_verdict(self, tensors):
+        """'' when every saved tensor is finite on every rank that decides together, else what is not."""
+        bad = _non_finite(tensors)
+        # A save may be collective (integrated_save gathers blocks): ranks that save together skip alike.
+        verdicts = get_runtime().gather((len(bad), bad[:3])) if self._together else [(len(bad), bad[:3])]
+        if not any(count for count, _ in verdicts):
+            return ""
+
+        def shown(count, names):
+            return ", ".join(repr(n) for n in names) + (f" and {count - len(names)} more" if count > len(names)
+                                                        else "")
+        if len(verdicts) == 1:
+            count, names = verdicts[0]
+            return f"{count} parameter(s) or optimizer state(s) hold NaN or inf: {shown(count, names)}"
+        parts = [f"rank {r}: {count} ({shown(count, names)})" for r, (count, names) in enumerate(verdicts) if count]
+        return f"parameters or optimizer states hold NaN or inf on {len(parts)} rank(s): " + "; ".join(parts)
 
     def _save(self, cb_params, force):
         if cb_params.cur_step_num == self._last_triggered_step or not self._due(cb_params, force):
             return
         batch_num = cb_params.batch_num
         step_in_epoch = cb_params.get("cur_step_in_epoch") or (cb_params.cur_step_num - 1) % batch_num + 1
-        path = os.path.join(self._directory, f"{self._prefix}-{cb_params.cur_epoch_num}_{step_in_epoch}.ckpt")
-        self._prune()
+        path = self._file_name(cb_params.cur_epoch_num, step_in_epoch)
         cfg = self._config
         if cfg.saved_network is not None:
-            meta = dict(cfg.append_dict, epoch_num=cb_params.cur_epoch_num, step_num=cb_params.cur_step_num)
+            tensors = {name: p for name, _, p in keyed_parameters(cfg.saved_network, "ModelCheckpoint")}
+        else:
+            tensors = _state_tensors("ModelCheckpoint", cb_params.train_network, cb_params.get("optimizer"))
+        problem = self._non_finite_verdict(tensors)
+        if problem:
+            # Nothing pruned: the files kept are the last finite ones, which a resume needs.
+            kept = self._latest_ckpt_file_name or "none written yet"
+            warnings.warn(f"ModelCheckpoint: skipped the checkpoint {path} (epoch {cb_params.cur_epoch_num}, step "
+                          f"{cb_params.cur_step_num}): {problem}; the earlier checkpoints are kept (latest: {kept})",
+                          RuntimeWarning, stacklevel=2)
+            self._last_triggered_step = cb_params.cur_step_num
+            self._last_time = time.time()
+            return
+        self._prune()
+        runtime = get_runtime()
+        # Every rank writes its own file: restore_train_state reads these keys to refuse another rank's.
+        writer = dict(cfg.append_dict, rank=runtime.rank(), group_size=runtime.group_size())
+        if cfg.saved_network is not None:
+            meta = dict(writer, epoch_num=cb_params.cur_epoch_num, step_num=cb_params.cur_step_num)
             save_checkpoint(cfg.saved_network, path, append_dict=meta, integrated_save=cfg.integrated_save)
         else:
             save_train_state(path, cb_params.train_network, cb_params.get("optimizer"), cb_params.cur_epoch_num,
-                             cb_params.cur_step_num, step_in_epoch, batch_num, append_dict=cfg.append_dict,
+                             cb_params.cur_step_num, step_in_epoch, batch_num, append_dict=writer,
                              integrated_save=cfg.integrated_save)
         now = time.time()
         self._saved = [(p, t) for p, t in self._saved if p != path] + [(path, now)]

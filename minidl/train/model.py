@@ -19,9 +19,10 @@ Two optional parts of a reducer's interface are used when present:
   ones; ``finish()`` then returns the reduced gradients for the optimizer. Without them the
   reducer is called once with every gradient after backward.
 - ``parameter_broadcast`` (True) and ``broadcast_parameters(tensors)``: at the start of
-  every ``train``/``fit`` (after ``resume_from`` is restored) the network's parameters and
-  the optimizer's state are overwritten with rank 0's, so all ranks start alike
-  (``set_auto_parallel_context(parameter_broadcast=True)`` in minidl_parallel).
+  every ``train``/``fit`` without ``resume_from`` the network's parameters and the
+  optimizer's state are overwritten with rank 0's, so all ranks start alike
+  (``set_auto_parallel_context(parameter_broadcast=True)`` in minidl_parallel); a resumed
+  run starts from each rank's own checkpoint instead (its BatchNorm statistics are its own).
 - ``collective`` (True): every call communicates, so every rank must run as many steps (as
   under a runtime whose ``trains_in_lockstep()`` is True); ``join(optimizer)``: a context in
   which a rank whose data ended keeps taking part with zero gradients (``uneven_inputs``).
@@ -73,6 +74,16 @@ def _describe(out):
 
 def _as_tensor(x):
     return x if isinstance(x, Tensor) else Tensor(x)
+
+
+def _keyed_callbacks(callbacks):
+    """{(class name, occurrence): callback}: how a callback finds its counterpart on other ranks."""
+    keyed, seen = {}, {}
+    for cb in callbacks:
+        name = f"{type(cb).__module__}.{type(cb).__qualname__}"
+        seen[name] = seen.get(name, -1) + 1
+        keyed[(name, seen[name])] = cb
+    return keyed
 
 
 class Model:
@@ -323,10 +334,13 @@ class Model:
                                  f"size and sharding")
             start_epoch, skip, global_step = pos.epoch, pos.skip_batches, pos.global_step
         self.grad_reducer = self._resolve_grad_reducer()
-        joined = self._agree_on_steps(epoch, start_epoch, skip, batch_num, uneven_inputs)
+        joined = self._agree_on_steps(epoch, start_epoch, skip, batch_num, uneven_inputs, cbs.callbacks)
         if batch_num == 0 and not joined:
             self._check_dataset("train", "train_dataset", dataset, for_training=True)  # raises: empty
-        self._broadcast_parameters()
+        if resume_from is None:
+            # A resumed run restored every rank's own state (per-rank checkpoints hold each
+            # rank's BatchNorm statistics): broadcasting rank 0's would undo that.
+            self._broadcast_parameters()
 
         cb_params = CallbackParam(
             train_network=self._network, network=self._network, optimizer=self._optimizer, loss_fn=self._loss_fn,
@@ -357,20 +371,27 @@ class Model:
                     break
             cbs.on_train_end(run_context)
 
-    def _agree_on_steps(self, epoch, start_epoch, skip, batch_num, uneven_inputs):
+    def _agree_on_steps(self, epoch, start_epoch, skip, batch_num, uneven_inputs, callbacks):
         """Checks that the ranks will run the same steps; returns whether epochs run in join blocks.
 
         Only when training steps communicate (the runtime trains in lockstep, or the grad
         reducer is collective) and there are several ranks: then every rank gathers every
-        rank's plan (one small exchange) and raises alike.
+        rank's plan (one small exchange) and raises alike. The same exchange carries the
+        callbacks' plans (``Callback._rank_plan``), handed back to them before training.
         """
         runtime = get_runtime()
         reducer = self.grad_reducer
         if runtime.group_size() <= 1 or not (runtime.trains_in_lockstep() or getattr(reducer, "collective", False)):
+            for cb in callbacks:
+                cb._adopt_rank_plans(None)
             return False
+        keyed = _keyed_callbacks(callbacks)
         mine = {"epochs": epoch, "start epoch": start_epoch, "skipped steps": skip, "steps per epoch": batch_num,
                 "uneven_inputs": uneven_inputs}
-        plans = runtime.gather(mine)
+        gathered = runtime.gather((mine, {key: cb._rank_plan(batch_num) for key, cb in keyed.items()}))
+        plans = [plan for plan, _ in gathered]
+        for key, cb in keyed.items():
+            cb._adopt_rank_plans([callback_plans.get(key) for _, callback_plans in gathered])
         ranks = "; ".join(f"rank {r}: {plan}" for r, plan in enumerate(plans))
         for key in ("uneven_inputs", "epochs", "start epoch"):
             if any(plan[key] != plans[0][key] for plan in plans):

@@ -14,8 +14,9 @@ Under mpirun ``init`` also
   MPI_Finalize waits for every rank: ``sys.exit`` is wrapped to remember its status, and an
   ``atexit`` handler (it runs before mpi4py's finalize, which is a C-level exit hook) aborts
   the job at once after a non-zero ``sys.exit``; after status 0 (or an exit it cannot see:
-  ``raise SystemExit(n)``, falling off the end) it waits, bounded by the collective timeout,
-  until every rank leaves, answering the others' "where are you?" so their timeout names it;
+  ``raise SystemExit(n)``, falling off the end) it stops the mpi watchdog thread and waits,
+  at most the collective timeout + 5 s, until every rank leaves, answering the others'
+  "where are you?" so their timeout names it;
 - limits BLAS threads to ``max(1, cores // local ranks)`` through threadpoolctl when it is
   installed (optional; skipped when OMP_NUM_THREADS is set), and minidl's intra-op threads
   (``minidl.set_num_threads``) to the same unless MINIDL_NUM_THREADS is set, so 8 ranks on
@@ -100,6 +101,7 @@ def init(backend_name=None, *, rank=None, world_size=None, timeout=None, stall_w
     if backend_name is not None and backend_name not in BACKENDS:
         raise ValueError(f"init: unknown backend_name {backend_name!r}; expected one of {BACKENDS} or None")
     _check_rank_args(rank, world_size)
+    _check_waits(timeout, stall_warning)  # before a communicator exists that would leak
     world = context.current_world()
     if world.comm is not None:
         if backend_name is not None and backend_name != world.backend:
@@ -125,12 +127,19 @@ def init(backend_name=None, *, rank=None, world_size=None, timeout=None, stall_w
     return comm
 
 
-def _set_waits(comm, timeout, stall_warning):
+def _check_waits(timeout, stall_warning):
     from .comm.base import _check_seconds
     if timeout is not None:
-        comm.timeout = _check_seconds(timeout, "init: timeout")
+        _check_seconds(timeout, "init: timeout")
     if stall_warning is not None:
-        comm.stall_warning = _check_seconds(stall_warning, "init: stall_warning")
+        _check_seconds(stall_warning, "init: stall_warning")
+
+
+def _set_waits(comm, timeout, stall_warning):
+    if timeout is not None:
+        comm.timeout = float(timeout)
+    if stall_warning is not None:
+        comm.stall_warning = float(stall_warning)
 
 
 def release():
@@ -188,7 +197,7 @@ def run_threads(n, fn, *args, timeout=300.0):
 
 # ---- MPI job hygiene --------------------------------------------------------------------
 
-_exit = {"status": None, "comm": None}
+_exit = {"status": None, "called": False, "comm": None}
 
 
 def _install_exit_guard(comm):
@@ -201,7 +210,7 @@ def _install_exit_guard(comm):
 
     def exit_remembering_status(status=None):
         if threading.current_thread() is threading.main_thread():  # sys.exit in a thread ends only it
-            _exit["status"] = status
+            _exit["status"], _exit["called"] = status, True
         real_exit(status)
 
     exit_remembering_status.__wrapped__ = real_exit
@@ -217,38 +226,68 @@ def _status_code(status):
     return status if isinstance(status, int) else 1
 
 
+def _abort_code(code):
+    """The MPI_Abort error code for a non-zero exit status: itself when a shell can read it,
+    else 1 (256 would reach the shell as 0: a failed job must never look successful)."""
+    return code if 0 < code < 256 else 1
+
+
 def _exit_guard():
-    from .comm.mpi import import_mpi, watch
+    from .comm.mpi import import_mpi, stop_watchdog, watch
     MPI = import_mpi()
     if MPI.Is_finalized():
         return
+    # The watchdog thread must not be inside MPI when MPI_Finalize runs; from here on this
+    # thread answers the peers' questions itself.
+    stop_watchdog()
     comm, code = _exit["comm"], _status_code(_exit["status"])
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     if code != 0:
         sys.stderr.write(f"minidl_parallel: rank {rank} of {size} called sys.exit({_exit['status']!r}); "
                          f"aborting the MPI job so the other ranks do not wait for it\n")
         sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(code)
+        MPI.COMM_WORLD.Abort(_abort_code(code))
     side = watch()
     if side is None:
         return
     # The others may still compute and then leave too (the normal end), or wait for this rank
     # in a collective that will never come: answer their questions while waiting for them.
     # The wait outlasts their timeout plus their question window, so the rank that waits in a
-    # collective is the one that reports (it knows which collective).
+    # collective is the one that reports (it knows which collective). Peers that answer that
+    # they compute outside any collective (rank 0 evaluating or saving after training) are
+    # alive and wait for no one: each such answer restarts the limit, so long work there is
+    # never cut short; only peers that stop answering make this rank end the job.
     timeout = getattr(comm, "timeout", 0.0)
     limit = timeout + 5.0 if timeout else float("inf")
-    side.state = ("exiting", code)
+    survey_every = min(5.0, limit / 4)
+    # None: the exit status is unknown here (the script returned, or raised SystemExit).
+    side.state = ("exiting", code if _exit["called"] else None)
     request = side.comm.Ibarrier()
-    start = time.monotonic()
+    start = next_survey = time.monotonic()
+    deadline = start + limit
     while not request.Test():
         side.serve()
-        if time.monotonic() - start > limit:
+        now = time.monotonic()
+        if now >= next_survey + survey_every:
+            next_survey = now
+            if _peers_busy_elsewhere(side, rank, size, request):
+                deadline = now + limit
+        if now > deadline:
             sys.stderr.write(f"minidl_parallel: rank {rank} of {size} finished (exit status {code}), but other "
                              f"ranks did not finish within {limit:g} s; aborting the MPI job\n")
             sys.stderr.flush()
             MPI.COMM_WORLD.Abort(1)
         time.sleep(1e-3)
+
+
+def _peers_busy_elsewhere(side, rank, size, request):
+    """Whether every other rank answers that it runs outside any collective or is leaving too
+    (so none waits for this rank); False when one waits in a collective or does not answer."""
+    answers = side.survey(range(size), window=1.0)
+    if request.Test():
+        return True  # everybody arrived meanwhile
+    return len(answers) == size and all(state is None or state[0] in ("outside", "exiting")
+                                        for r, state in answers.items() if r != rank)
 
 def _install_except_hook(comm):
     from .comm.mpi import import_mpi

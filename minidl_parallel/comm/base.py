@@ -26,6 +26,7 @@ A backend implements only the private primitives below (``_allreduce``, ``_allga
 ``_split``, optionally ``_iallreduce``) on C-contiguous buffers; this base class turns axes,
 ``mean``, in-place variants, validation, counting and debug checks into calls to them.
 """
+import math
 import os
 import sys
 import time
@@ -74,8 +75,9 @@ def _seconds_from_env(name, default):
         seconds = float(value)
     except ValueError:
         raise ValueError(f"{name} must be a number of seconds (0 = off), got {value!r}") from None
-    if seconds < 0:
-        raise ValueError(f"{name} must be >= 0 seconds (0 = off), got {value!r}")
+    # NaN compares false with every deadline: it would silently mean "wait forever".
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{name} must be a finite number of seconds >= 0 (0 = off), got {value!r}")
     return seconds
 
 
@@ -90,8 +92,8 @@ def stall_warning_from_env():
 
 
 def _check_seconds(value, who):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{who} must be a number of seconds >= 0 (0 = off), got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{who} must be a finite number of seconds >= 0 (0 = off), got {value!r}")
     return float(value)
 
 
@@ -425,6 +427,8 @@ class Communicator(ABC):
     def _wait_for(self, is_done, call=None):
         """Polls ``is_done()`` until it is true, bounded by ``timeout``; warns at ``stall_warning``.
 
+        For waits that cannot block in a call a watchdog thread bounds: nccl's barrier (a CUDA
+        event) and the mpi backend without MPI_THREAD_MULTIPLE (non-blocking collectives).
         Latency first: a tight spin of about 50 us (most collectives of a training step finish
         there), then sleeps that double from 20 us up to 1 ms, so a long wait costs little CPU
         and a short one adds at most a few microseconds.
@@ -468,10 +472,14 @@ class Communicator(ABC):
         return (f"minidl_parallel: rank {self.rank} of {self.size} ({self.backend} backend): {call} {verb} "
                 f"{waited:.1f} s; ranks that have not arrived: {who}{note}")
 
-    def _on_stall(self, call, waited):
-        warnings.warn(self._stall_message(call, waited, "has waited") +
-                      f" (the timeout ends the job after {self.timeout:g} s)", CollectiveStallWarning,
-                      stacklevel=2)
+    def _on_stall(self, call, waited, where=None):
+        """Warns; ``where`` (file, line) is the waiting line when a watchdog thread warns for it."""
+        message = (self._stall_message(call, waited, "has waited") +
+                   f" (the timeout ends the job after {self.timeout:g} s)")
+        if where is None:
+            warnings.warn(message, CollectiveStallWarning, stacklevel=2)
+        else:
+            warnings.warn_explicit(message, CollectiveStallWarning, where[0], where[1])
 
     def _on_timeout(self, call, waited):
         """Ends the wait: the default raises :class:`CollectiveTimeout` on this rank."""
@@ -537,19 +545,24 @@ _INSIDE = {}  # co_filename -> whether it lies in minidl or minidl_parallel (abs
 
 def _call_site():
     """file:line of the first frame outside minidl and minidl_parallel (the user's call)."""
+    where = user_frame(sys._getframe(2))
+    return "(inside minidl)" if where is None else f"{where[0]}:{where[1]}"
+
+
+def user_frame(frame):
+    """(file, line) of ``frame`` or the first of its callers outside minidl and minidl_parallel."""
     global _PACKAGE_DIRS
     if _PACKAGE_DIRS is None:
         _PACKAGE_DIRS = _package_dirs()
-    frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
         inside = _INSIDE.get(filename)
         if inside is None:
             inside = _INSIDE[filename] = os.path.abspath(filename).startswith(_PACKAGE_DIRS)
         if not inside:
-            return f"{filename}:{frame.f_lineno}"
+            return filename, frame.f_lineno
         frame = frame.f_back
-    return "(inside minidl)"
+    return None
 
 
 def _describe(sig):

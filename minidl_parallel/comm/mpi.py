@@ -1,28 +1,41 @@
 """The mpi backend: mpi4py's buffer-based collectives on NumPy arrays (``pip install 'minidl[mpi]'``).
 
-Buffers go straight to MPI (no pickling). With a timeout or a stall warning set (the default:
-600 s and 60 s), every collective starts the non-blocking call (Iallreduce, Iallgather,
-Ireduce_scatter_block, Ibcast, Ialltoall, Ibarrier; objects as an Iallgather of sizes then an
-Iallgatherv of pickled bytes) and polls ``Test()`` against the deadline; on timeout it prints
-what it waited for and which ranks have not arrived, then ``MPI.COMM_WORLD.Abort(1)``. With
-both set to 0 it calls the blocking collectives (the A/B switch of
-benchmarks/bench_timeout_overhead.py).
+Buffers go straight to MPI (no pickling). Every collective is the plain blocking MPI call
+(Allreduce, Allgather, Reduce_scatter_block, Bcast, Alltoall, Barrier; objects through
+mpi4py's pickled allgather), also when a timeout or a stall warning is set (the default:
+600 s and 60 s): the process's :class:`Watchdog` thread bounds them. Before the call the
+rank notes in the watchdog which collective it enters and when (a dict write); the watchdog
+wakes every 50 ms, and a call still in flight past ``stall_warning`` gets the warning, past
+``timeout`` the message (what it waited for and which ranks have not arrived) and
+``MPI.COMM_WORLD.Abort(1)``. Why blocking calls and a thread rather than non-blocking calls
+polled with ``Test``: with Open MPI 5 the non-blocking collectives (libnbc) measured 2-3x
+slower than the blocking ones from 4 KB to 16 MB, and polling adds its sleeps' latency on
+top: a data-parallel MLP step measured 1.09x (overlapped reducer) and 1.18x (blocking
+reducer) as slow as with timeouts off, and 0.995x and 1.008x with the watchdog
+(benchmarks/bench_timeout_overhead.py). The watchdog needs ``MPI_THREAD_MULTIPLE``
+(mpi4py's default); at a lower thread level the collectives fall back to the non-blocking
+calls polled in ``Communicator._wait_for``. With both settings 0 the calls skip the
+watchdog, and none is started.
 
 Who has not arrived is found only when a wait is already long, so the common path pays
 nothing: the waiting rank asks every peer over a private duplicate of COMM_WORLD (the
-:class:`Watch`), and a peer answers from inside its own wait loop (which serves questions
-once it has waited a millisecond), or from the exit guard. A peer that does not answer
-within a short window is stalled outside any collective, or gone.
+:class:`Watch`), and a peer's watchdog answers (what collective it is in, or that it runs
+outside any collective and which it called last), as does the exit guard. A peer that does
+not answer within a short window is gone, or stalled inside MPI or in C code that holds
+the GIL.
 """
+import atexit
 import pickle
 import sys
+import threading
 import time
+import traceback
 
 import numpy
 
-from .base import CallInfo, Communicator
+from .base import CallInfo, Communicator, user_frame
 
-__all__ = ["MpiCommunicator", "Watch", "import_mpi", "watch"]
+__all__ = ["MpiCommunicator", "Watch", "Watchdog", "import_mpi", "watch", "stop_watchdog"]
 
 _QUERY, _REPLY = 0x51D, 0x51E  # tags of the watch's questions and answers
 
@@ -42,7 +55,10 @@ class Watch:
     wait is long, which collective they are in.
 
     ``state`` is what this rank answers: ``(world ranks of the communicator, name, seq, shape,
-    dtype, phase)`` while it waits in a collective, ``("exiting", status)`` in the exit guard.
+    dtype, phase)`` while it waits in a collective, ``("outside", latest call, seconds since it
+    began)`` from the watchdog while the rank computes, ``("exiting", status)`` in the exit
+    guard. The watchdog thread, the nccl watchdog and the exit guard all use the channel: a
+    lock keeps one probe from receiving another's message.
     """
 
     def __init__(self, MPI):
@@ -52,16 +68,18 @@ class Watch:
         self.state = None
         self._survey_id = 0
         self._sends = []  # pending Isends, kept alive until complete
+        self._lock = threading.RLock()  # reentrant: survey serves while it waits
 
     def serve(self, state=None):
         """Answers every question that has arrived (with ``state`` or the current one)."""
-        if state is not None:
-            self.state = state
-        status = self.MPI.Status()
-        while self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=_QUERY, status=status):
-            survey_id = self.comm.recv(source=status.Get_source(), tag=_QUERY)
-            self._send((survey_id, self.state), status.Get_source(), _REPLY)
-        self._sends = [req for req in self._sends if not req.Test()]
+        with self._lock:
+            if state is not None:
+                self.state = state
+            status = self.MPI.Status()
+            while self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=_QUERY, status=status):
+                survey_id = self.comm.recv(source=status.Get_source(), tag=_QUERY)
+                self._send((survey_id, self.state), status.Get_source(), _REPLY)
+            self._sends = [req for req in self._sends if not req.Test()]
 
     def _send(self, obj, dest, tag):
         self._sends.append(self.comm.isend(obj, dest=dest, tag=tag))
@@ -69,21 +87,22 @@ class Watch:
     def survey(self, world_ranks, window):
         """Asks ``world_ranks`` what they wait in; returns {rank: state} of those that answered
         within ``window`` seconds (this rank's own state included)."""
-        self._survey_id += 1
-        peers = [r for r in world_ranks if r != self.rank]
-        for peer in peers:
-            self._send(self._survey_id, peer, _QUERY)
-        answers = {self.rank: self.state}
-        status = self.MPI.Status()
-        deadline = time.monotonic() + window
-        while len(answers) < len(peers) + 1 and time.monotonic() < deadline:
-            self.serve()
-            while self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=_REPLY, status=status):
-                survey_id, state = self.comm.recv(source=status.Get_source(), tag=_REPLY)
-                if survey_id == self._survey_id:  # answers to an older survey come late: drop them
-                    answers[status.Get_source()] = state
-            time.sleep(1e-3)
-        return answers
+        with self._lock:
+            self._survey_id += 1
+            peers = [r for r in world_ranks if r != self.rank]
+            for peer in peers:
+                self._send(self._survey_id, peer, _QUERY)
+            answers = {self.rank: self.state}
+            status = self.MPI.Status()
+            deadline = time.monotonic() + window
+            while len(answers) < len(peers) + 1 and time.monotonic() < deadline:
+                self.serve()
+                while self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=_REPLY, status=status):
+                    survey_id, state = self.comm.recv(source=status.Get_source(), tag=_REPLY)
+                    if survey_id == self._survey_id:  # answers to an older survey come late: drop them
+                        answers[status.Get_source()] = state
+                time.sleep(1e-3)
+            return answers
 
 
 _watch = {"watch": None}
@@ -96,11 +115,108 @@ def watch():
 
 def describe_state(state):
     if state is None:
-        return "not in a collective"
+        return "is not in a collective"
     if state[0] == "exiting":
-        return f"has left the program (exit status {state[1]}) and waits for the others to finish"
+        status = ("it returned from the script or raised SystemExit" if state[1] is None
+                  else f"exit status {state[1]}")
+        return f"has left the program ({status}) and waits for the others to finish"
+    if state[0] == "outside":
+        latest = "none yet" if state[1] is None else f"{state[1]}, which began {state[2]:.1f} s ago"
+        return f"is running outside any collective (busy or stalled; its latest collective: {latest})"
     members, name, seq, shape, dtype, phase = state
     return f"waits in {CallInfo(name, seq, shape, dtype, phase)} of the group of world ranks {list(members)}"
+
+
+class Watchdog:
+    """The thread that bounds the blocking collectives of this process's MpiCommunicators.
+
+    A rank's thread enters a collective with ``inflight[thread id] = (communicator, call,
+    start)`` and leaves it with ``latest = ...; del inflight[thread id]``: a few hundred
+    nanoseconds, against a millisecond for a gradient all-reduce. The thread wakes every
+    ``PERIOD_S`` (a sleep, so it takes the GIL 20 times a second for microseconds) and, for a
+    call in flight that long or longer, answers the peers' questions, warns once at
+    ``stall_warning`` and ends the job at ``timeout``; with nothing in flight it still answers,
+    saying that this rank runs outside any collective.
+    """
+
+    PERIOD_S = 0.05  # the survey window is >= 0.2 s, so a peer's question is answered in time
+
+    def __init__(self):
+        self.inflight = {}
+        self.latest = None  # the (communicator, call, start) that left last, for "outside" answers
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="minidl-mpi-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self, wait_s=1.0):
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(wait_s)
+
+    def _loop(self):
+        warned = {}  # thread id -> the in-flight entry already warned about
+        while not self._stop.wait(self.PERIOD_S):
+            try:
+                self._check(warned)
+            except Exception:  # noqa: B902 - a dead watchdog would silently unbound every wait
+                sys.stderr.write("minidl_parallel: the collective watchdog failed (it goes on checking):\n" +
+                                 traceback.format_exc())
+                sys.stderr.flush()
+
+    def _check(self, warned):
+        now = time.monotonic()
+        entries = list(self.inflight.items())
+        if not entries:
+            self._answer_outside(now)
+            return
+        for key, entry in entries:
+            comm, call, start = entry
+            waited = now - start
+            if waited < self.PERIOD_S:  # the common case: a collective that will end any moment
+                continue
+            comm._serve_peers(call)
+            if comm.timeout and waited >= comm.timeout:
+                comm._on_timeout(call, waited)  # aborts the job
+            if comm.stall_warning and waited >= comm.stall_warning and warned.get(key) is not entry:
+                warned[key] = entry
+                frame = sys._current_frames().get(key)  # the waiting thread's: its line names the wait
+                comm._on_stall(call, waited, None if frame is None else user_frame(frame))
+
+    def _answer_outside(self, now):
+        side = _watch["watch"]
+        if side is None:
+            return
+        latest = self.latest
+        state = ("outside", None, None) if latest is None else ("outside", str(latest[1]), now - latest[2])
+        side.serve(state)
+
+
+_watchdog = {"dog": None, "atexit": False}
+_watchdog_lock = threading.Lock()
+
+
+def _get_watchdog():
+    dog = _watchdog["dog"]
+    if dog is None:
+        with _watchdog_lock:
+            if _watchdog["dog"] is None:
+                _watchdog["dog"] = Watchdog()
+                if not _watchdog["atexit"]:
+                    # atexit handlers run before mpi4py's MPI_Finalize (a C-level exit hook):
+                    # the thread must be out of MPI by then, also without init's exit guard.
+                    _watchdog["atexit"] = True
+                    atexit.register(stop_watchdog)
+            dog = _watchdog["dog"]
+    return dog
+
+
+def stop_watchdog():
+    """Stops the watchdog thread (the exit guard calls it before MPI_Finalize; a later
+    bounded collective starts a new one)."""
+    with _watchdog_lock:
+        dog, _watchdog["dog"] = _watchdog["dog"], None
+    if dog is not None:
+        dog.stop()
 
 
 class MpiCommunicator(Communicator):
@@ -122,6 +238,13 @@ class MpiCommunicator(Communicator):
                          debug=debug, timeout=timeout, stall_warning=stall_warning)
         local.Free()
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+        # The watchdog thread calls MPI (questions, Abort) while this thread is in a blocking
+        # collective: that needs MPI_THREAD_MULTIPLE; below it, poll non-blocking calls instead.
+        self._polled = MPI.Query_thread() < MPI.THREAD_MULTIPLE
+        # What a peer that does not answer is doing: with watchdogs a busy rank still answers.
+        self._silent_peer = ("busy or stalled outside any collective, or gone" if self._polled else
+                             "gone, or stuck where its watchdog thread cannot run: in MPI or C code that "
+                             "holds the GIL")
         if comm is None and _watch["watch"] is None:
             _watch["watch"] = Watch(MPI)  # Dup is collective: every rank makes the world here
         group, world_group = self.comm.Get_group(), MPI.COMM_WORLD.Get_group()
@@ -130,62 +253,75 @@ class MpiCommunicator(Communicator):
         world_group.Free()
 
     def _bounded(self):
-        return bool(self.timeout or self.stall_warning)
+        return bool(self.timeout or self.stall_warning) and self.size > 1
+
+    def _call_blocking(self, call, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` (a blocking MPI call), watched by the watchdog when bounded."""
+        if not self._bounded():
+            return fn(*args, **kwargs)
+        dog = _watchdog["dog"] or _get_watchdog()
+        key = threading.get_ident()
+        entry = dog.inflight[key] = (self, call, time.monotonic())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            dog.latest = entry
+            del dog.inflight[key]
 
     def _wait(self, request, call=None):
         self._wait_for(request.Test, call)
 
     def _allreduce(self, buf, op):
-        if self._bounded():
+        if self._polled and self._bounded():
             self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._ops[op]))
         else:
-            self.comm.Allreduce(self._MPI.IN_PLACE, buf, op=self._ops[op])
+            self._call_blocking(self._call, self.comm.Allreduce, self._MPI.IN_PLACE, buf, op=self._ops[op])
 
     def _iallreduce(self, buf, op):
         request, call = self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._ops[op]), self._call
-        if self._bounded():
+        if self._polled and self._bounded():
             return lambda: self._wait(request, call)
-        return request.Wait
+        return lambda: self._call_blocking(call, request.Wait)
 
     def _allgather(self, x):
         out = numpy.empty((self.size,) + x.shape, dtype=x.dtype)
-        if self._bounded():
+        if self._polled and self._bounded():
             self._wait(self.comm.Iallgather(x, out))
         else:
-            self.comm.Allgather(x, out)
+            self._call_blocking(self._call, self.comm.Allgather, x, out)
         return out
 
     def _reduce_scatter(self, x, op):
         out = numpy.empty(x.shape[1:], dtype=x.dtype)
-        if self._bounded():
+        if self._polled and self._bounded():
             self._wait(self.comm.Ireduce_scatter_block(x, out, op=self._ops[op]))
         else:
-            self.comm.Reduce_scatter_block(x, out, op=self._ops[op])
+            self._call_blocking(self._call, self.comm.Reduce_scatter_block, x, out, op=self._ops[op])
         return out
 
     def _bcast(self, buf, root):
-        if self._bounded():
+        if self._polled and self._bounded():
             self._wait(self.comm.Ibcast(buf, root=root))
         else:
-            self.comm.Bcast(buf, root=root)
+            self._call_blocking(self._call, self.comm.Bcast, buf, root=root)
 
     def _alltoall(self, x):
         out = numpy.empty_like(x)
-        if self._bounded():
+        if self._polled and self._bounded():
             self._wait(self.comm.Ialltoall(x, out))
         else:
-            self.comm.Alltoall(x, out)
+            self._call_blocking(self._call, self.comm.Alltoall, x, out)
         return out
 
     def _barrier(self):
-        if self._bounded():
+        if self._polled and self._bounded():
             self._wait(self.comm.Ibarrier())
         else:
-            self.comm.Barrier()
+            self._call_blocking(self._call, self.comm.Barrier)
 
     def _allgather_object(self, obj):
-        if not self._bounded():
-            return self.comm.allgather(obj)
+        if not (self._polled and self._bounded()):
+            return self._call_blocking(self._call, self.comm.allgather, obj)
         # mpi4py's pickled allgather has no non-blocking form: gather the sizes, then the bytes.
         data = numpy.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=numpy.uint8)
         sizes = numpy.empty(self.size, dtype=numpy.int64)
@@ -218,6 +354,7 @@ class MpiCommunicator(Communicator):
             return None, " (no watch channel: this communicator was not made through init)"
         window = min(1.0, max(0.2, 0.25 * self.timeout)) if self.timeout else 1.0
         mine = self._state(call)
+        w.serve(mine)  # this rank's own answer is the call it waits in
         answers = w.survey(self.world_ranks, window)
         arrived = [r for r, state in answers.items() if state == mine]
         missing = [self.world_ranks.index(r) for r in self.world_ranks if r not in arrived]
@@ -225,7 +362,7 @@ class MpiCommunicator(Communicator):
         for rank in missing:
             world_rank = self.world_ranks[rank]
             what = (describe_state(answers[world_rank]) if world_rank in answers else
-                    f"did not answer within {window:g} s (busy or stalled outside any collective, or gone)")
+                    f"did not answer within {window:g} s ({self._silent_peer})")
             notes.append(f"rank {rank}{'' if world_rank == rank else f' (world rank {world_rank})'} {what}")
         return missing, "".join(f"; {n}" for n in notes)
 

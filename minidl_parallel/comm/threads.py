@@ -74,6 +74,9 @@ class _Group:
     def wait(self, group_rank, what, comm=None):
         """Returns once every member has called it; bounded by ``comm``'s timeout."""
         with self._cond:
+            # A failed world fails a rank that arrives last too: else its barrier would
+            # complete with the slot of a rank that already raised (timed out or aborted).
+            self._check_alive(group_rank, what)
             gen = self._generation
             self._arrived.add(group_rank)
             if len(self._arrived) == len(self.members):
@@ -84,10 +87,15 @@ class _Group:
             start = time.monotonic()
             warned = False
             while self._generation == gen:
-                self._check_alive(group_rank, what)
+                try:
+                    self._check_alive(group_rank, what)
+                except CollectiveAborted:
+                    self._arrived.discard(group_rank)
+                    raise
                 waited = time.monotonic() - start
                 if comm is not None and comm.timeout and waited >= comm.timeout:
                     message = self._stall_message(group_rank, what, comm, waited, "timed out after")
+                    self._arrived.discard(group_rank)  # it leaves: the barrier must not count it
                     self.world.abort(message)
                     raise CollectiveTimeout(message + " (set MINIDL_COLLECTIVE_TIMEOUT or "
                                             "init(timeout=...) to change the limit)")

@@ -254,7 +254,7 @@ def main():
             q1, q2, q3 = quartiles(ratios)
             print(f"{a + '/' + b:>12s} {q2:12.4f} {ratios.min():7.4f} {q1:7.4f} {q3:7.4f} {ratios.max():7.4f}")
     alone = result["alone"]
-    print(f"one 4-byte allreduce_ alone (median of 10 alternating rounds x 1000): " +
+    print("one 4-byte allreduce_ alone (median of 10 alternating rounds x 1000): " +
           ", ".join(f"{v} {alone[v] * 1e6:.1f} us" for v in ("on", "off", "dbg1", "dbg2")))
     for level in ("dbg1", "dbg2"):
         if level in times and "on" in times:

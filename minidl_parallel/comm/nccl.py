@@ -6,15 +6,16 @@ current CuPy stream, so they order after the kernels that produced their inputs;
 ``iallreduce_`` runs on a side stream that waits for the current one, so a gradient bucket
 can travel while backward keeps computing.
 
-Timeouts (untested here: no GPU on the development machine; written from CuPy's
-``cupy_backends/cuda/libs/nccl.pyx``): NCCL calls return as soon as they are enqueued, so
-the host never waits in them. A watchdog thread (as PyTorch's ProcessGroupNCCL) follows each
+Timeouts (written from CuPy's ``cupy_backends/cuda/libs/nccl.pyx``; the watchdog's logic is
+tested with stand-ins for CuPy's events and communicator, never yet on a GPU): NCCL calls
+return as soon as they are enqueued, so the host never waits in them. A watchdog thread (as PyTorch's ProcessGroupNCCL) follows each
 collective with a CUDA event: it calls ``check_async_error()``, warns at ``stall_warning``,
 and at ``timeout`` asks the other ranks over the MPI watch channel who has not arrived,
 prints the message, ``abort()``s the NCCL communicator (which frees the stuck kernels) and
 ``MPI.COMM_WORLD.Abort(1)``. Barriers and the object gathers of the debug checks go over an
 inner :class:`~minidl_parallel.comm.mpi.MpiCommunicator`, bounded like the mpi backend's.
 """
+import atexit
 import collections
 import sys
 import threading
@@ -23,7 +24,7 @@ import time
 from .base import Communicator
 from .mpi import MpiCommunicator, import_mpi, watch
 
-__all__ = ["NcclCommunicator", "import_nccl"]
+__all__ = ["NcclCommunicator", "import_nccl", "stop_watchdogs"]
 
 
 def import_nccl():
@@ -36,6 +37,27 @@ def import_nccl():
         raise ImportError("the nccl backend needs CuPy with NCCL: pip install 'minidl[gpu]' "
                           f"(cupy-cuda12x + nvidia-nccl-cu12) ({exc})") from exc
     return cupy, nccl
+
+
+_stopping = threading.Event()
+_watchdogs = []  # the started watchdog threads, stopped at exit
+
+
+def _start_watchdog(thread):
+    if not _watchdogs:
+        # atexit runs before mpi4py's MPI_Finalize (a C-level exit hook), and after init's exit
+        # guard registered earlier: the threads must leave the MPI side channel before either.
+        atexit.register(stop_watchdogs)
+    _watchdogs.append(thread)
+    thread.start()
+
+
+def stop_watchdogs(wait_s=1.0):
+    """Stops every nccl watchdog thread of this process (at exit; they use MPI)."""
+    _stopping.set()
+    for thread in _watchdogs:
+        if thread is not threading.current_thread():
+            thread.join(wait_s)
 
 
 class NcclCommunicator(Communicator):
@@ -96,12 +118,12 @@ class NcclCommunicator(Communicator):
         self._pending.append((stream.record(), self._call, time.monotonic()))
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch_loop, name="minidl-nccl-watchdog", daemon=True)
-            self._watchdog.start()
+            _start_watchdog(self._watchdog)
 
     def _watch_loop(self):
         self._cupy.cuda.Device(self.device).use()
         warned = None
-        while self.comm is not None:
+        while self.comm is not None and not _stopping.is_set():
             time.sleep(0.01)  # only deadlines matter here: the host does not wait on NCCL
             while self._pending:
                 event, call, start = self._pending[0]

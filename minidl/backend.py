@@ -12,24 +12,36 @@ import numpy
 _state = {"device_target": None, "seed": None}
 _rng_local = threading.local()
 _cupy = None  # the cupy module once imported, False when it is not importable
+_cupy_error = None  # why not, when it is not: shown to the user who asks for the GPU
 
 
 def _import_cupy():
     """Returns the cupy module, or None when CuPy (or a GPU) is not available."""
-    global _cupy
+    global _cupy, _cupy_error
     if _cupy is None:
         try:
             import cupy
-            cupy.cuda.runtime.getDeviceCount()
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                raise RuntimeError("CUDA sees no device (getDeviceCount() returned 0)")
             _cupy = cupy
-        except Exception:  # ImportError, or CUDA present without a device/driver
-            _cupy = False
+        except Exception as exc:  # ImportError, or CUDA present without a device/driver
+            _cupy, _cupy_error = False, exc
     return _cupy or None
 
 
 def gpu_available():
     """True when CuPy imports and sees at least one CUDA device."""
     return _import_cupy() is not None
+
+
+def gpu_unavailable_reason():
+    """Why the GPU cannot be used (the error CuPy or CUDA gave), or None when it can."""
+    if gpu_available():
+        return None
+    exc = _cupy_error
+    if isinstance(exc, ImportError):
+        return f"CuPy is not installed ({exc}); pip install 'minidl[gpu]'"
+    return f"CuPy is installed but CUDA failed: {type(exc).__name__}: {exc}"
 
 
 def set_context(device_target=None, device_id=None):
@@ -44,8 +56,8 @@ def set_context(device_target=None, device_id=None):
         if target not in ("CPU", "GPU"):
             raise ValueError(f"set_context: device_target must be 'CPU' or 'GPU', got {device_target!r}")
         if target == "GPU" and not gpu_available():
-            raise RuntimeError("set_context: device_target='GPU' needs CuPy and a CUDA device: "
-                               "pip install 'minidl[gpu]'")
+            raise RuntimeError(f"set_context: device_target='GPU' needs CuPy and a CUDA device: "
+                               f"{gpu_unavailable_reason()}")
         _state["device_target"] = target
     if device_id is not None:
         if get_device_target() != "GPU":

@@ -43,10 +43,12 @@ _hooks = {"excepthook": None, "blas": None, "exit_guard": None, "sys_exit": None
 
 
 def _default_backend():
+    # Outside a launcher there is one process, whatever the device: a world of one (nccl
+    # would need mpi4py, which the gpu extra does not install, and would join no one).
+    if not context.launched_under_mpi():
+        return "local"
     from minidl.backend import get_device_target
-    if get_device_target() == "GPU":
-        return "nccl"
-    return "mpi" if context.launched_under_mpi() else "local"
+    return "nccl" if get_device_target() == "GPU" else "mpi"
 
 
 def _check_rank_args(rank, world_size):
@@ -81,8 +83,8 @@ def init(backend_name=None, *, rank=None, world_size=None, timeout=None, stall_w
     Args:
         backend_name: "nccl" (one GPU per process, under mpirun), "mpi" (NumPy arrays over
             mpi4py), "threads" (inside run_threads: the thread's rank; elsewhere a world of
-            one), "local" (a world of one), or None: nccl when minidl's device target is GPU,
-            else mpi when launched by mpirun, else local.
+            one), "local" (a world of one), or None: under a launcher (mpirun) nccl when
+            minidl's device target is GPU, else mpi; outside a launcher local.
         rank, world_size: what the caller expects (SINGA's DistOpt passes them): when given,
             a world that differs raises, naming what is missing, instead of training alone.
         timeout: seconds any collective waits for the other ranks before the job ends with a

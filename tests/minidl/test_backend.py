@@ -33,10 +33,41 @@ def test_default_is_gpu_only_when_cupy_sees_one():
 
 @pytest.mark.skipif(backend.gpu_available(), reason="this machine has a GPU")
 def test_asking_for_a_missing_gpu_is_a_clear_error():
-    with pytest.raises(RuntimeError, match=r"needs CuPy and a CUDA device: pip install 'minidl\[gpu\]'"):
+    with pytest.raises(RuntimeError, match=r"needs CuPy and a CUDA device: .*pip install 'minidl\[gpu\]'"):
         minidl.set_context(device_target="GPU")
     out = _device_in_fresh_process("GPU")
     assert out.returncode != 0 and "needs CuPy and a CUDA device" in out.stderr
+
+
+def _fake_cupy(monkeypatch, device_count):
+    """A cupy module whose CUDA runtime fails as a machine with a too-old driver does."""
+    import types
+
+    def get_device_count():
+        if isinstance(device_count, Exception):
+            raise device_count
+        return device_count
+    runtime = types.SimpleNamespace(getDeviceCount=get_device_count)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)))
+    monkeypatch.setattr(backend, "_cupy", None)
+    monkeypatch.setattr(backend, "_cupy_error", None)
+    monkeypatch.setitem(backend._state, "device_target", "CPU")
+
+
+def test_the_real_cuda_error_is_shown_not_swallowed(monkeypatch):
+    # cudaErrorInsufficientDriver, as CuPy raises it when the driver is older than the toolkit
+    _fake_cupy(monkeypatch, RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient "
+                                         "for CUDA runtime version"))
+    with pytest.raises(RuntimeError, match=r"CuPy is installed but CUDA failed: RuntimeError: "
+                                           r"cudaErrorInsufficientDriver: CUDA driver version is insufficient"):
+        minidl.set_context(device_target="GPU")
+    assert "cudaErrorInsufficientDriver" in backend.gpu_unavailable_reason()
+
+
+def test_a_cuda_without_devices_is_named(monkeypatch):
+    _fake_cupy(monkeypatch, 0)
+    assert not backend.gpu_available()
+    assert "getDeviceCount() returned 0" in backend.gpu_unavailable_reason()
 
 
 def test_cpu_tensors_are_numpy():

@@ -36,6 +36,21 @@ def test_world_of_one_before_and_after_init(monkeypatch):
         mp.get_communicator()
 
 
+def test_a_gpu_process_outside_a_launcher_gets_a_world_of_one(monkeypatch):
+    """Outside mpirun init() never picks nccl (which would need mpi4py and join no one), even
+    when minidl's device is the GPU; under mpirun the device picks nccl or mpi."""
+    from minidl import backend
+    from minidl_parallel import world
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(backend, "get_device_target", lambda: "GPU")
+    assert world._default_backend() == "local"
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert world._default_backend() == "nccl"
+    monkeypatch.setattr(backend, "get_device_target", lambda: "CPU")
+    assert world._default_backend() == "mpi"
+
+
 def test_init_rejects_unknown_backends():
     with pytest.raises(ValueError, match=r"unknown backend_name 'gloo'; expected one of .*'threads'"):
         mp.init("gloo")

@@ -246,7 +246,9 @@ def _correlate(xp, x, w, win, group, times=None):
             # One transposing copy to NCHW, which also drops the garbage columns of flat rows.
             y[n0:n1] = out.reshape(o, n1 - n0, oh, q)[..., :ow].transpose(1, 0, 2, 3)
             if times is not None:
-                tc = _rows(tbuf, ct, m).reshape(ct, n1 - n0, oh, q)
+                # The full chunk's pitch, not _row_pitch(m): a shorter last chunk must find its
+                # garbage columns where the zeros are (another pitch would put old values there).
+                tc = tbuf[:ct * pitch].reshape(ct, pitch)[:, :m].reshape(ct, n1 - n0, oh, q)
                 tc[..., :ow] = times[n0:n1].transpose(1, 0, 2, 3)
                 # (K, m) @ (m, C): BLAS measured this orientation ~1.7x faster than (C, m) @ (m, K).
                 acc += xp.matmul(col, tc.reshape(group, ct // group, m).swapaxes(-1, -2))

@@ -242,6 +242,10 @@ class DistributedGradReducer:
         self._check_agreement(comm, f"{_WHO}.broadcast_parameters", _describe_tensors(tensors), root=root)
         if not tensors:
             return 0
+        # Host tensors (the optimizer's global_step, SGD's stat flags: NumPy even on a GPU) get
+        # buffers of their own, never packed with device ones: the communicator sends each
+        # where it lives (nccl: NumPy buffers over its inner MPI communicator), so the few bytes
+        # of host state cost no device round trip and no synchronisation.
         groups = {}
         for t in tensors:
             groups.setdefault((str(t.data.dtype), type(t.data).__module__), []).append(t)

@@ -238,6 +238,7 @@ class MpiCommunicator(Communicator):
                          debug=debug, timeout=timeout, stall_warning=stall_warning)
         local.Free()
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+        self._children = []  # communicators split from this one, released with it
         # The watchdog thread calls MPI (questions, Abort) while this thread is in a blocking
         # collective: that needs MPI_THREAD_MULTIPLE; below it, poll non-blocking calls instead.
         self._polled = MPI.Query_thread() < MPI.THREAD_MULTIPLE
@@ -334,10 +335,16 @@ class MpiCommunicator(Communicator):
 
     def _split(self, ranks):
         # Create_group is collective over the new group only, so ranks outside it need not call.
-        group = self.comm.Get_group().Incl(list(ranks))
-        sub = self.comm.Create_group(group)
-        group.Free()
-        return MpiCommunicator(sub, **self._settings())
+        parent = self.comm.Get_group()
+        group = parent.Incl(list(ranks))
+        parent.Free()  # Get_group returns a new handle: freed, or one group leaks per split
+        try:
+            sub = self.comm.Create_group(group)
+        finally:
+            group.Free()
+        child = MpiCommunicator(sub, **self._settings())
+        self._children.append(child)  # freed with this one (SyncBatchNorm and layouts cache splits)
+        return child
 
     # ---- stalls and timeouts ------------------------------------------------------------
 
@@ -375,5 +382,8 @@ class MpiCommunicator(Communicator):
         self._MPI.COMM_WORLD.Abort(1)
 
     def release(self):
+        children, self._children = self._children, []
+        for child in children:
+            child.release()
         if self.comm is not self._MPI.COMM_WORLD and self.comm != self._MPI.COMM_NULL:
             self.comm.Free()

@@ -1,30 +1,60 @@
 """The nccl backend: CuPy's NCCL bindings on CuPy arrays (``pip install 'minidl[gpu]'``).
 
-One process per GPU, launched by mpirun: MPI carries the NCCL unique id from rank 0 (and the
-small objects of the debug checks); the device is the local rank. Collectives run on the
-current CuPy stream, so they order after the kernels that produced their inputs;
+One process per GPU, launched by mpirun. An inner :class:`~minidl_parallel.comm.mpi.MpiCommunicator`
+of the same ranks carries what is not device data: the NCCL unique id from rank 0, barriers,
+the small objects of the debug checks, and host (NumPy) arrays. Collectives on CuPy arrays run
+on the current CuPy stream, so they order after the kernels that produced their inputs;
 ``iallreduce_`` runs on a side stream that waits for the current one, so a gradient bucket
 can travel while backward keeps computing.
 
+Host arrays: a job on GPUs still reduces and broadcasts a little host state (the optimizer's
+``global_step`` and SGD's ``stat`` flags when ``parameter_broadcast`` is on, the votes of join
+blocks, metric sums). A NumPy array given to any collective goes over the inner MPI
+communicator, in place, as on the mpi backend: it is a few bytes, and MPI avoids two copies
+through the device and the synchronisation that bringing the result back to the host needs.
+
+The GPU of a rank is chosen at construction (``init()``): ``device=`` when given, else the
+local rank modulo the number of devices this process sees (``cupy.cuda.runtime.getDeviceCount()``),
+so both usual setups work: every process sees every GPU of the machine (rank i takes GPU i),
+or every process sees one GPU of its own (``CUDA_VISIBLE_DEVICES`` set per rank, it takes
+device 0). Two ranks on one GPU are refused at construction, on every rank, naming the
+ranks, the GPU and the counts: NCCL refuses them too ("Duplicate GPU detected"), later and
+less clearly. Arrays must live on the rank's GPU: a network built before ``init()`` lives on
+the device current then (GPU 0), and a collective on it raises naming both devices, so
+build the network after ``init()``.
+
 Timeouts (written from CuPy's ``cupy_backends/cuda/libs/nccl.pyx``; the watchdog's logic is
 tested with stand-ins for CuPy's events and communicator, never yet on a GPU): NCCL calls
-return as soon as they are enqueued, so the host never waits in them. A watchdog thread (as PyTorch's ProcessGroupNCCL) follows each
-collective with a CUDA event: it calls ``check_async_error()``, warns at ``stall_warning``,
-and at ``timeout`` asks the other ranks over the MPI watch channel who has not arrived,
-prints the message, ``abort()``s the NCCL communicator (which frees the stuck kernels) and
-``MPI.COMM_WORLD.Abort(1)``. Barriers and the object gathers of the debug checks go over an
-inner :class:`~minidl_parallel.comm.mpi.MpiCommunicator`, bounded like the mpi backend's.
+return as soon as they are enqueued, so the host never waits in them. A watchdog thread (as
+PyTorch's ProcessGroupNCCL) follows each collective with a CUDA event: it calls
+``check_async_error()`` (an NCCL error on this rank, e.g. a peer's connection lost, ends the
+job at once), warns at ``stall_warning``, and at ``timeout`` asks the other ranks over the MPI
+watch channel who has not arrived, prints the message, ``abort()``s the NCCL communicator
+(which frees the stuck kernels) and ``MPI.COMM_WORLD.Abort(1)``, which ends every rank. Waits
+on the inner MPI communicator (host arrays, barriers, object gathers) are bounded as the mpi
+backend's.
+
+``release()`` frees the communicator and every sub-communicator split from it: it stops the
+watchdog first (so it never polls a destroyed communicator), destroys the NCCL communicators
+and frees the MPI ones.
 """
 import atexit
 import collections
+import numbers
+import os
+import socket
 import sys
 import threading
 import time
 
-from .base import Communicator
+import numpy
+
+from .base import CallInfo, Communicator
 from .mpi import MpiCommunicator, import_mpi, watch
 
 __all__ = ["NcclCommunicator", "import_nccl", "stop_watchdogs"]
+
+_WATCHDOG_JOIN_S = 5.0  # longest a release waits for the watchdog (its survey window is <= 1 s)
 
 
 def import_nccl():
@@ -55,9 +85,72 @@ def _start_watchdog(thread):
 def stop_watchdogs(wait_s=1.0):
     """Stops every nccl watchdog thread of this process (at exit; they use MPI)."""
     _stopping.set()
-    for thread in _watchdogs:
+    for thread in list(_watchdogs):
         if thread is not threading.current_thread():
             thread.join(wait_s)
+
+
+def _visible_env():
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "unset" if value is None else repr(value)
+
+
+def _host_id():
+    """What NCCL counts as one machine (its getHostHash): NCCL_HOSTID, else hostname + boot id,
+    so that two ranks are said to share a GPU exactly when NCCL would refuse them."""
+    forced = os.environ.get("NCCL_HOSTID")
+    if forced:
+        return forced
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = (f.read().split() or [""])[0]
+    except OSError:
+        boot = ""
+    return socket.gethostname() + boot
+
+
+def _choose_device(cupy, device, local_rank):
+    """(device id, number of devices this process sees); raises naming what CUDA sees."""
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # noqa: B902 - CuPy's CUDARuntimeError (no device, driver too old)
+        raise RuntimeError(f"CUDA sees no usable GPU (CUDA_VISIBLE_DEVICES {_visible_env()}): "
+                           f"{type(exc).__name__}: {exc}") from exc
+    if count < 1:
+        raise RuntimeError(f"CUDA sees no GPU (getDeviceCount() is 0; CUDA_VISIBLE_DEVICES {_visible_env()})")
+    if device is None:
+        # One process per GPU either way: all GPUs visible (rank i takes GPU i), or one GPU
+        # per process through CUDA_VISIBLE_DEVICES (every rank takes its device 0).
+        return local_rank % count, count
+    if isinstance(device, bool) or not isinstance(device, numbers.Integral) or not 0 <= device < count:
+        raise ValueError(f"device must be an int in [0, {count - 1}] (this process sees {count} CUDA "
+                         f"device(s), CUDA_VISIBLE_DEVICES {_visible_env()}), got {device!r}")
+    return int(device), count
+
+
+def _describe_placement(rank, info):
+    return (f"rank {rank} (local rank {info['local_rank']} of {info['local_size']} on its machine, "
+            f"device {info['device']} of the {info['count']} it sees, CUDA_VISIBLE_DEVICES {info['visible']})")
+
+
+def _check_placement(placements):
+    """Raises on every rank when a rank failed to pick its GPU, or two ranks picked one GPU."""
+    for rank, info in enumerate(placements):
+        if "error" in info:
+            raise RuntimeError(f"nccl backend: rank {rank} cannot choose its GPU: {info['error']}")
+    owner = {}
+    for rank, info in enumerate(placements):
+        key = (info["host"], info["bus_id"].lower())
+        if key in owner:
+            first = owner[key]
+            raise RuntimeError(
+                f"nccl backend: {_describe_placement(first, placements[first])} and "
+                f"{_describe_placement(rank, info)} would share one GPU (PCI bus {info['bus_id']}); NCCL "
+                f"refuses two ranks of one communicator on one GPU ('Duplicate GPU detected'). "
+                f"The machine runs {info['local_size']} ranks and rank {rank} sees {info['count']} GPU(s): "
+                f"start at most as many ranks per machine as it has GPUs (e.g. mpirun --map-by "
+                f"ppr:{info['count']}:node) and let each see all of them or one of its own")
+        owner[key] = rank
 
 
 class NcclCommunicator(Communicator):
@@ -65,30 +158,67 @@ class NcclCommunicator(Communicator):
 
     Args:
         mpi_comm: the mpi4py communicator of the same ranks (default COMM_WORLD).
-        device: the CUDA device of this rank (default: the local rank).
+        device: the CUDA device of this rank (default: the local rank modulo the number of
+            devices this process sees).
         debug, timeout, stall_warning: see :class:`Communicator`.
+
+    Attributes:
+        device: the CUDA device this rank's collectives run on.
+        visible_devices: how many CUDA devices this process sees.
     """
 
     backend = "nccl"
 
     def __init__(self, mpi_comm=None, device=None, debug=None, timeout=None, stall_warning=None):
-        cupy, nccl = import_nccl()
+        import_nccl()  # first: the missing library a GPU user needs is CuPy's NCCL
         import_mpi()
-        self._cupy, self._nccl_mod = cupy, nccl
         # The inner mpi communicator (made with comm=None for the world, so it makes the watch).
-        self._mpi = MpiCommunicator(mpi_comm, debug=0, timeout=timeout, stall_warning=stall_warning)
-        self.mpi_comm = self._mpi.comm
-        super().__init__(self._mpi.rank, self._mpi.size, self._mpi.local_rank, self._mpi.local_size,
-                         debug=debug, timeout=timeout, stall_warning=stall_warning)
-        self.device = self.local_rank if device is None else int(device)
-        cupy.cuda.Device(self.device).use()
-        uid = nccl.get_unique_id() if self.rank == 0 else None
-        uid = self.mpi_comm.bcast(uid, root=0)
-        self.comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+        host = MpiCommunicator(mpi_comm, debug=0, timeout=timeout, stall_warning=stall_warning)
+        try:
+            self._setup(host, device, debug, timeout, stall_warning, owns_host=True)
+        except BaseException:
+            host.release()
+            raise
+
+    @classmethod
+    def over(cls, host, device=None, debug=None, timeout=None, stall_warning=None):
+        """The NCCL communicator of the ranks of ``host``, a :class:`Communicator` that carries
+        the bootstrap, barriers, object gathers and host arrays (the mpi backend in a job; the
+        threads backend in tests). ``host`` stays the caller's: ``release()`` leaves it open."""
+        self = cls.__new__(cls)
+        self._setup(host, device, debug, timeout, stall_warning, owns_host=False)
+        return self
+
+    def _setup(self, host, device, debug, timeout, stall_warning, owns_host):
+        cupy, nccl = import_nccl()
+        self._cupy, self._nccl_mod = cupy, nccl
+        self._mpi, self._owns_host = host, owns_host
+        self.mpi_comm = getattr(host, "comm", None)
+        self.comm = None
+        self._children = []  # the sub-communicators split from this one, released with it
         self._side_stream = None
         self._pending = collections.deque()  # (CUDA event, CallInfo, start time) the watchdog follows
         self._watchdog = None
+        super().__init__(host.rank, host.size, host.local_rank, host.local_size,
+                         debug=debug, timeout=timeout, stall_warning=stall_warning)
         self._ops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN, "prod": nccl.NCCL_PROD}
+        # Each rank picks its GPU, then one exchange carries the unique id from rank 0 and
+        # every rank's placement: a failure or two ranks on one GPU raise on every rank,
+        # rather than on one while the others wait for it in ncclCommInitRank.
+        mine = {"local_rank": self.local_rank, "local_size": self.local_size, "visible": _visible_env()}
+        try:
+            self.device, self.visible_devices = _choose_device(cupy, device, self.local_rank)
+            cupy.cuda.Device(self.device).use()
+            mine.update(device=self.device, count=self.visible_devices, host=_host_id(),
+                        bus_id=str(cupy.cuda.Device(self.device).pci_bus_id),
+                        uid=nccl.get_unique_id() if self.rank == 0 else None)
+        except Exception as exc:  # noqa: B902 - told to every rank below, then raised there
+            mine["error"] = f"{type(exc).__name__}: {exc}"
+        self._call = CallInfo("nccl init (unique id, GPU placement)", -1, None, None)
+        placements = self._inner()._allgather_object(mine)
+        self._call = CallInfo("(none)", -1, None, None)
+        _check_placement(placements)
+        self.comm = nccl.NcclCommunicator(self.size, placements[0]["uid"], self.rank)
 
     def _dtype(self, x):
         nccl = self._nccl_mod
@@ -100,11 +230,28 @@ class NcclCommunicator(Communicator):
         except KeyError:
             raise TypeError(f"nccl backend: dtype {x.dtype} is not supported; use one of {sorted(table)}") from None
 
+    def _ptr(self, x):
+        """x's device address, once x is known to be a CuPy array on this rank's GPU."""
+        ptr = getattr(getattr(x, "data", None), "ptr", None)
+        if ptr is None:
+            raise TypeError(f"nccl backend: {self._call.name} takes CuPy arrays (device memory) or NumPy arrays "
+                            f"(host state, sent over MPI), got {type(x).__module__}.{type(x).__name__}")
+        device = getattr(getattr(x, "device", None), "id", self.device)
+        if device != self.device:
+            raise ValueError(f"nccl backend: {self._call.name} got an array on GPU {device}, but rank {self.rank} "
+                             f"runs its collectives on GPU {self.device} (chosen at init); build the network "
+                             f"and its arrays after minidl_parallel.init(), which makes GPU {self.device} current")
+        return ptr
+
     def _stream(self):
         return self._cupy.cuda.get_current_stream().ptr
 
     def _allreduce(self, buf, op, stream=None):
-        self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._dtype(buf), self._ops[op],
+        if isinstance(buf, numpy.ndarray):
+            self._inner()._allreduce(buf, op)
+            return
+        ptr = self._ptr(buf)
+        self.comm.allReduce(ptr, ptr, buf.size, self._dtype(buf), self._ops[op],
                             self._stream() if stream is None else stream.ptr)
         self._follow(stream)
 
@@ -123,8 +270,15 @@ class NcclCommunicator(Communicator):
     def _watch_loop(self):
         self._cupy.cuda.Device(self.device).use()
         warned = None
-        while self.comm is not None and not _stopping.is_set():
+        # Below MPI_THREAD_MULTIPLE this thread must not call MPI while the main thread may.
+        serve = not getattr(self._mpi, "_polled", False)
+        while not _stopping.is_set():
             time.sleep(0.01)  # only deadlines matter here: the host does not wait on NCCL
+            # Read once per turn: release() clears it and waits for this thread before it
+            # destroys the communicator, so a destroyed one is never polled.
+            comm = self.comm
+            if comm is None:
+                return
             while self._pending:
                 event, call, start = self._pending[0]
                 if event.done:
@@ -132,10 +286,11 @@ class NcclCommunicator(Communicator):
                     continue
                 waited = time.monotonic() - start
                 try:
-                    self.comm.check_async_error()
+                    comm.check_async_error()
                 except Exception as exc:  # noqa: B902 - any NCCL error ends the job
                     self._end_job(f"minidl_parallel: rank {self.rank}: NCCL reported an error during {call}: {exc}")
-                self._mpi._serve_peers(call)
+                if serve:
+                    self._mpi._serve_peers(call)
                 if self.timeout and waited >= self.timeout:
                     self._end_job(self._stall_message(call, waited, "timed out after") +
                                   f"; aborting NCCL and the MPI job (timeout {self.timeout:g} s)")
@@ -150,12 +305,27 @@ class NcclCommunicator(Communicator):
     def _end_job(self, message):
         sys.stderr.write(message + "\n")
         sys.stderr.flush()
+        comm = self.comm
         try:
-            self.comm.abort()  # frees the NCCL kernels that wait for the missing ranks
+            if comm is not None:
+                comm.abort()  # frees the NCCL kernels that wait for the missing ranks
         finally:
             import_mpi().COMM_WORLD.Abort(1)
 
+    def _stop_watchdog(self):
+        dog, self._watchdog = self._watchdog, None
+        if dog is None:
+            return
+        if dog is not threading.current_thread():
+            dog.join(_WATCHDOG_JOIN_S)
+        if dog in _watchdogs:
+            _watchdogs.remove(dog)
+
+    # ---- the collectives ----------------------------------------------------------------
+
     def _iallreduce(self, buf, op):
+        if isinstance(buf, numpy.ndarray):
+            return self._inner()._iallreduce(buf, op)
         cupy = self._cupy
         if self._side_stream is None:
             self._side_stream = cupy.cuda.Stream(non_blocking=True)
@@ -166,32 +336,46 @@ class NcclCommunicator(Communicator):
         return lambda: current.wait_event(done)
 
     def _allgather(self, x):
+        if isinstance(x, numpy.ndarray):
+            return self._inner()._allgather(x)
+        ptr = self._ptr(x)
         out = self._cupy.empty((self.size,) + x.shape, dtype=x.dtype)
-        self.comm.allGather(x.data.ptr, out.data.ptr, x.size, self._dtype(x), self._stream())
+        self.comm.allGather(ptr, out.data.ptr, x.size, self._dtype(x), self._stream())
         self._follow()
         return out
 
     def _reduce_scatter(self, x, op):
+        if isinstance(x, numpy.ndarray):
+            return self._inner()._reduce_scatter(x, op)
+        ptr = self._ptr(x)
         out = self._cupy.empty(x.shape[1:], dtype=x.dtype)
-        self.comm.reduceScatter(x.data.ptr, out.data.ptr, out.size, self._dtype(x), self._ops[op], self._stream())
+        self.comm.reduceScatter(ptr, out.data.ptr, out.size, self._dtype(x), self._ops[op], self._stream())
         self._follow()
         return out
 
     def _bcast(self, buf, root):
-        self.comm.bcast(buf.data.ptr, buf.size, self._dtype(buf), root, self._stream())
+        if isinstance(buf, numpy.ndarray):
+            self._inner()._bcast(buf, root)
+            return
+        self.comm.bcast(self._ptr(buf), buf.size, self._dtype(buf), root, self._stream())
         self._follow()
 
     def _alltoall(self, x):
+        if isinstance(x, numpy.ndarray):
+            return self._inner()._alltoall(x)
         # NCCL has no all-to-all; grouped point-to-point sends and receives make one.
+        self._ptr(x)
         nccl = self._nccl_mod
         out = self._cupy.empty_like(x)
         count = x[0].size
         dtype, stream = self._dtype(x), self._stream()
         nccl.groupStart()
-        for peer in range(self.size):
-            self.comm.send(x[peer].data.ptr, count, dtype, peer, stream)
-            self.comm.recv(out[peer].data.ptr, count, dtype, peer, stream)
-        nccl.groupEnd()
+        try:
+            for peer in range(self.size):
+                self.comm.send(x[peer].data.ptr, count, dtype, peer, stream)
+                self.comm.recv(out[peer].data.ptr, count, dtype, peer, stream)
+        finally:
+            nccl.groupEnd()  # an open group would swallow every later NCCL call of this thread
         self._follow()
         return out
 
@@ -214,13 +398,37 @@ class NcclCommunicator(Communicator):
                       f"; aborting NCCL and the MPI job (timeout {self.timeout:g} s)")
 
     def _split(self, ranks):
-        group = self.mpi_comm.Get_group().Incl(list(ranks))
-        sub = self.mpi_comm.Create_group(group)
-        group.Free()
-        return NcclCommunicator(sub, device=self.device, **self._settings())
+        # The inner communicator splits first (MPI's Create_group involves the members only),
+        # then the NCCL communicator of the members is made over it, on this rank's GPU.
+        host = self._mpi._split(ranks)
+        try:
+            sub = type(self).over(host, device=self.device, **self._settings())
+        except BaseException:
+            host.release()
+            raise
+        sub._owns_host = True
+        self._children.append(sub)
+        return sub
 
     def release(self):
-        if self.comm is not None:
-            self.comm.destroy()
-            self.comm = None
-            self._mpi.release()
+        """Frees the sub-communicators split from this one, then this one: stops the watchdog,
+        destroys the NCCL communicator and frees the inner MPI one (not COMM_WORLD). Calling it
+        again does nothing."""
+        children, self._children = self._children, []
+        failure = None
+        for child in children:
+            try:
+                child.release()
+            except Exception as exc:  # noqa: B902 - free the others and this one, then report it
+                failure = failure or exc
+        comm, self.comm = self.comm, None  # the watchdog leaves once it sees None
+        if comm is not None:
+            self._stop_watchdog()
+            try:
+                comm.destroy()
+            finally:
+                self._pending.clear()
+                if self._owns_host:
+                    self._mpi.release()
+        if failure is not None:
+            raise failure

@@ -1,0 +1,842 @@
+"""The nccl backend's collectives, device choice and release, on stand-ins for CuPy and
+``cupy.cuda.nccl`` (no GPU here), over the threads world.
+
+The stand-ins are strict where the real libraries are and the nccl backend could go wrong:
+
+- device arrays are NumPy memory registered as one machine's GPU buffers; they refuse
+  implicit conversion to NumPy (as CuPy does) and know which GPU (PCI bus id) holds them;
+- the fake ``NcclCommunicator`` has CuPy 14's signatures (``cupy_backends/cuda/libs/nccl.pyx``:
+  positional ints, ``NcclCommunicator(ndev, commId, rank)``) and reads and writes memory only
+  through the pointers it is given: a pointer outside every device buffer, a count running
+  past its buffer, or a buffer on another GPU than the communicator's raises, as does a call
+  on a destroyed communicator; ranks meet through the unique id, and two ranks on one GPU
+  are refused as NCCL refuses them ("Duplicate GPU detected");
+- each thread-rank has its own view of the GPUs (its ``CUDA_VISIBLE_DEVICES``) and its own
+  current device, as a process has.
+
+The inner MPI communicator is replaced by the rank's threads communicator, so host (NumPy)
+arrays travel there. What this cannot show: kernels, streams and their ordering, real device
+memory, NCCL itself; that needs a GPU (``python -m minidl.gpu_check``).
+"""
+import os
+import sys
+import threading
+import types
+
+import numpy as np
+import pytest
+
+from minidl import Parameter
+from minidl.optim import SGD
+from minidl_parallel import get_communicator, run_threads
+from minidl_parallel import grad_reducer as grad_reducer_module
+from minidl_parallel.comm import nccl as nccl_backend
+from minidl_parallel.comm.threads import ThreadsCommunicator
+from minidl_parallel.grad_reducer import DistributedGradReducer
+
+_RENDEZVOUS_S = 10.0  # a fake collective whose peers never come fails after this, never hangs
+_BUS_IDS = ["0000:1A:00.0", "0000:3B:00.0", "0000:5C:00.0", "0000:7D:00.0"]
+
+
+class _CudaError(RuntimeError):
+    """Stands in for cupy_backends.cuda.api.runtime.CUDARuntimeError."""
+
+
+# ---- the GPUs: memory, visibility, the current device ------------------------------------
+
+class _Gpus:
+    """One machine's GPUs (PCI bus ids) and every device buffer on them; per thread-rank, the
+    GPUs it sees (its CUDA_VISIBLE_DEVICES) and its current device, as per process in CUDA."""
+
+    def __init__(self, bus_ids):
+        self.bus_ids = list(bus_ids)
+        self.buffers = {}  # base address -> (uint8 memory, PCI bus id of its GPU)
+        self.idle = True  # whether recorded events are complete (False: the GPU is "stuck")
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def show(self, visible):
+        """This thread-rank sees the GPUs at ``visible`` (indices into bus_ids)."""
+        self._local.visible = [self.bus_ids[i] for i in visible]
+        self._local.current = 0
+
+    @property
+    def visible(self):
+        return getattr(self._local, "visible", self.bus_ids)
+
+    @property
+    def current(self):
+        return getattr(self._local, "current", 0)
+
+    def bus_of(self, index):
+        if not 0 <= index < len(self.visible):
+            raise _CudaError(f"cudaErrorInvalidDevice: invalid device ordinal {index} (this rank sees "
+                             f"{len(self.visible)} device(s))")
+        return self.visible[index]
+
+    def use(self, index):
+        self.bus_of(index)
+        self._local.current = index
+
+    def count(self):
+        if not self.visible:
+            raise _CudaError("cudaErrorNoDevice: no CUDA-capable device is detected")
+        return len(self.visible)
+
+    def allocate(self, shape, dtype):
+        """Fresh device memory on the current GPU, filled with a pattern (not zeros, as cupy.empty)."""
+        shape = tuple(int(s) for s in np.atleast_1d(shape)) if not isinstance(shape, tuple) else shape
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        memory = np.full(max(nbytes, 1), 0xA5, np.uint8)
+        bus = self.bus_of(self.current)
+        with self._lock:
+            self.buffers[memory.ctypes.data] = (memory, bus)
+        return _DevArray(memory[:nbytes].view(dtype).reshape(shape), self.current, bus)
+
+    def upload(self, host):
+        out = self.allocate(host.shape, host.dtype)
+        out._a[...] = host
+        return out
+
+    def memory(self, ptr, count, dtype, who):
+        """The ``count`` elements of ``dtype`` at device address ``ptr``, and their GPU's bus id."""
+        nbytes = count * dtype.itemsize
+        with self._lock:
+            found = [(base, memory, bus) for base, (memory, bus) in self.buffers.items()
+                     if base <= ptr < base + memory.size]
+        if not found:
+            raise ValueError(f"fake NCCL {who}: address {ptr:#x} is in no device buffer (a host array's?)")
+        base, memory, bus = found[0]
+        if ptr + nbytes > base + memory.size:
+            raise ValueError(f"fake NCCL {who}: {count} x {dtype} from {ptr:#x} runs "
+                             f"{ptr + nbytes - base - memory.size} bytes past its device buffer of {memory.size} bytes")
+        start = ptr - base
+        return memory[start:start + nbytes].view(dtype), bus
+
+
+_gpus = {"now": None}  # the test's _Gpus (the fake module functions find it here)
+
+
+class _DevArray:
+    """A CuPy array stand-in: device memory that refuses implicit conversion to NumPy."""
+
+    def __init__(self, a, device_id, bus):
+        self._a, self._bus = a, bus
+        self.device = types.SimpleNamespace(id=device_id)
+
+    def _wrap(self, a):
+        if not np.may_share_memory(a, self._a):  # a NumPy copy: copy it to the device, as CuPy would
+            return _gpus["now"].upload(a)
+        return _DevArray(a, self.device.id, self._bus)
+
+    data = property(lambda self: types.SimpleNamespace(ptr=int(self._a.__array_interface__["data"][0])))
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    size = property(lambda self: self._a.size)
+    ndim = property(lambda self: self._a.ndim)
+    nbytes = property(lambda self: self._a.nbytes)
+    flags = property(lambda self: self._a.flags)
+
+    def __len__(self):
+        return len(self._a)
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct "
+                        "a NumPy array explicitly.")
+
+    def get(self):
+        return self._a.copy()
+
+    def reshape(self, *shape):
+        return self._wrap(self._a.reshape(*shape))
+
+    def __getitem__(self, key):
+        a = self._a[key]
+        if not isinstance(a, np.ndarray):  # CuPy indexes to 0-d arrays, never to scalars
+            a = self._a[(key if isinstance(key, tuple) else (key,)) + (Ellipsis,)]
+        return self._wrap(a)
+
+    def __setitem__(self, key, value):
+        self._a[key] = _operand(value)
+
+    def __imul__(self, other):
+        self._a *= _operand(other)
+        return self
+
+    def __itruediv__(self, other):
+        self._a /= _operand(other)
+        return self
+
+    def astype(self, dtype):
+        return _gpus["now"].upload(self._a.astype(dtype))
+
+    def copy(self):
+        return _gpus["now"].upload(self._a)
+
+
+_DevArray.__module__ = "cupy"  # how minidl_parallel.comm.base tells CuPy arrays from NumPy ones
+
+
+def _operand(value):
+    if isinstance(value, _DevArray):
+        return value._a
+    if isinstance(value, np.ndarray) and value.ndim:
+        raise TypeError(f"Unsupported type {type(value)}")  # CuPy refuses host operands
+    return value
+
+
+def _dev(host):
+    return _gpus["now"].upload(np.asarray(host))
+
+
+def _fake_cupy():
+    def device_arrays(xs):
+        for x in xs:
+            if not isinstance(x, _DevArray):
+                raise TypeError(f"Unsupported type {type(x)}")
+        return [x._a for x in xs]
+
+    class Device:
+        def __init__(self, index=None):
+            self.id = _gpus["now"].current if index is None else int(index)
+
+        def use(self):
+            _gpus["now"].use(self.id)
+            return self
+
+        @property
+        def pci_bus_id(self):
+            return _gpus["now"].bus_of(self.id)
+
+    class Event:
+        def __init__(self):
+            self._gpus = _gpus["now"]
+
+        @property
+        def done(self):
+            return self._gpus.idle
+
+    class Stream:
+        def __init__(self, non_blocking=False, ptr=None):
+            self.ptr = id(self) if ptr is None else ptr
+
+        def record(self):
+            return Event()
+
+        def wait_event(self, event):
+            assert isinstance(event, Event)
+
+    cupy = types.ModuleType("cupy")
+    cupy.ndarray = _DevArray
+    cupy.empty = lambda shape, dtype=float: _gpus["now"].allocate(shape, dtype)
+    cupy.empty_like = lambda x: _gpus["now"].allocate(x.shape, x.dtype)
+    cupy.array = lambda x, order="C", copy=True: _gpus["now"].upload(
+        x._a if isinstance(x, _DevArray) else np.asarray(x))
+    cupy.asarray = lambda x: x if isinstance(x, _DevArray) else _gpus["now"].upload(np.asarray(x))
+    cupy.ascontiguousarray = lambda x: x if x.flags.c_contiguous else _gpus["now"].upload(x._a)
+    cupy.concatenate = lambda xs, axis=0: _gpus["now"].upload(np.concatenate(device_arrays(xs), axis=axis))
+    cupy.ravel = lambda x: x.reshape(-1)
+    cupy.moveaxis = lambda x, source, destination: x._wrap(np.moveaxis(x._a, source, destination))
+    cupy.asnumpy = lambda x: x.get()
+    cupy.cuda = types.SimpleNamespace(
+        Device=Device, Stream=Stream, get_current_stream=lambda: Stream(ptr=0),
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: _gpus["now"].count()))
+    return cupy
+
+
+# ---- cupy.cuda.nccl ----------------------------------------------------------------------
+
+class NcclError(RuntimeError):
+    pass
+
+
+_NCCL_DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64,
+                6: np.float16, 7: np.float32, 8: np.float64}  # NCCL's ncclDataType_t values
+_NCCL_OPS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum}  # ncclSum, ncclProd, ncclMax, ncclMin
+
+
+class _Clique:
+    """The ranks of one unique id: they meet here for every collective, as NCCL's ranks do."""
+
+    def __init__(self, ndev):
+        self.ndev = ndev
+        self.slots = [None] * ndev
+        self.joined = [None] * ndev
+        self.barrier = threading.Barrier(ndev, timeout=_RENDEZVOUS_S)
+        self.lock = threading.Lock()
+
+    def exchange(self, rank, value):
+        self.slots[rank] = value
+        self.barrier.wait()
+        values = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot another rank still reads
+        return values
+
+
+def _fake_nccl():
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    nccl.NcclError = NcclError
+    nccl.NCCL_INT8, nccl.NCCL_UINT8, nccl.NCCL_INT32, nccl.NCCL_UINT32 = 0, 1, 2, 3
+    nccl.NCCL_INT64, nccl.NCCL_UINT64, nccl.NCCL_FLOAT16, nccl.NCCL_FLOAT32, nccl.NCCL_FLOAT64 = 4, 5, 6, 7, 8
+    nccl.NCCL_SUM, nccl.NCCL_PROD, nccl.NCCL_MAX, nccl.NCCL_MIN = 0, 1, 2, 3
+    cliques, made = {}, []
+    group = threading.local()
+
+    def get_unique_id():
+        return tuple(b - 256 if b > 127 else b for b in os.urandom(128))  # 128 C chars, as CuPy's
+
+    def groupStart():  # noqa: N802 - NCCL's names
+        group.depth = getattr(group, "depth", 0) + 1
+        group.__dict__.setdefault("queued", [])
+
+    def groupEnd():  # noqa: N802
+        if getattr(group, "depth", 0) < 1:
+            raise NcclError("invalid usage: groupEnd without groupStart")
+        group.depth -= 1
+        if group.depth == 0:
+            queued, group.queued = group.queued, []
+            by_comm = {}
+            for comm, op in queued:
+                by_comm.setdefault(id(comm), (comm, []))[1].append(op)
+            for comm, ops in by_comm.values():
+                comm._point_to_point(ops)
+
+    class NcclCommunicator:
+        def __init__(self, ndev, commId, rank, /):  # noqa: N803 - CuPy's names
+            _ints("NcclCommunicator", ndev=ndev, rank=rank)
+            if not isinstance(commId, tuple) or len(commId) != 128:
+                raise AssertionError("commId must be the 128-tuple get_unique_id() returns")  # CuPy asserts
+            if not 0 <= rank < ndev:
+                raise NcclError(f"invalid argument: rank {rank} of {ndev}")
+            self.gpus = _gpus["now"]
+            self.bus = self.gpus.bus_of(self.gpus.current)  # NCCL takes the current device
+            self.rank, self.ndev, self.calls, self.destroyed, self.aborted = rank, ndev, [], False, False
+            self.async_error = None
+            with threading.Lock():
+                clique = cliques.setdefault(commId, _Clique(ndev))
+            if clique.ndev != ndev or clique.joined[rank] is not None:
+                raise NcclError(f"invalid usage: rank {rank} joined twice or ndev differs")
+            clique.joined[rank] = self
+            self.clique = clique
+            buses = clique.exchange(rank, self.bus)
+            if len(set(buses)) != len(buses):
+                raise NcclError(f"invalid usage: Duplicate GPU detected: buses {buses}")
+            made.append(self)
+
+        def _live(self, who):
+            if self.destroyed:
+                raise NcclError(f"invalid argument: {who} on a destroyed communicator")
+            self.calls.append(who)
+
+        def _view(self, who, ptr, count, datatype):
+            if datatype not in _NCCL_DTYPES:
+                raise NcclError(f"invalid argument: datatype {datatype}")
+            view, bus = self.gpus.memory(ptr, count, np.dtype(_NCCL_DTYPES[datatype]), who)
+            if bus != self.bus:
+                raise NcclError(f"invalid argument: {who}: a buffer on GPU {bus}, the communicator's is {self.bus}")
+            return view
+
+        def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream, /):  # noqa: N802
+            _ints("allReduce", sendbuf=sendbuf, recvbuf=recvbuf, count=count, datatype=datatype, op=op,
+                  stream=stream)
+            self._live("allReduce")
+            send, recv = self._view("allReduce", sendbuf, count, datatype), self._view("allReduce", recvbuf, count,
+                                                                                       datatype)
+            values = self.clique.exchange(self.rank, send.copy())
+            out = values[0].copy()
+            for v in values[1:]:
+                out = _NCCL_OPS[op](out, v)
+            recv[...] = out
+
+        def bcast(self, buff, count, datatype, root, stream, /):
+            _ints("bcast", buff=buff, count=count, datatype=datatype, root=root, stream=stream)
+            self._live("bcast")
+            buf = self._view("bcast", buff, count, datatype)
+            values = self.clique.exchange(self.rank, buf.copy() if self.rank == root else None)
+            buf[...] = values[root]
+
+        def allGather(self, sendbuf, recvbuf, count, datatype, stream, /):  # noqa: N802
+            _ints("allGather", sendbuf=sendbuf, recvbuf=recvbuf, count=count, datatype=datatype, stream=stream)
+            self._live("allGather")
+            send = self._view("allGather", sendbuf, count, datatype)
+            recv = self._view("allGather", recvbuf, count * self.ndev, datatype)
+            recv[...] = np.concatenate(self.clique.exchange(self.rank, send.copy()))
+
+        def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream, /):  # noqa: N802
+            _ints("reduceScatter", sendbuf=sendbuf, recvbuf=recvbuf, recvcount=recvcount, datatype=datatype, op=op,
+                  stream=stream)
+            self._live("reduceScatter")
+            send = self._view("reduceScatter", sendbuf, recvcount * self.ndev, datatype)
+            recv = self._view("reduceScatter", recvbuf, recvcount, datatype)
+            values = self.clique.exchange(self.rank, send.copy())
+            block = [v[self.rank * recvcount:(self.rank + 1) * recvcount] for v in values]
+            out = block[0].copy()
+            for v in block[1:]:
+                out = _NCCL_OPS[op](out, v)
+            recv[...] = out
+
+        def send(self, sendbuf, count, datatype, peer, stream, /):
+            _ints("send", sendbuf=sendbuf, count=count, datatype=datatype, peer=peer, stream=stream)
+            self._queue(("send", self._view("send", sendbuf, count, datatype), peer))
+
+        def recv(self, recvbuf, count, datatype, peer, stream, /):
+            _ints("recv", recvbuf=recvbuf, count=count, datatype=datatype, peer=peer, stream=stream)
+            self._queue(("recv", self._view("recv", recvbuf, count, datatype), peer))
+
+        def _queue(self, op):
+            self._live(op[0])
+            if getattr(group, "depth", 0) < 1:
+                raise NcclError("fake NCCL: send/recv outside groupStart/groupEnd (an all-to-all would deadlock)")
+            group.queued.append((self, op))
+
+        def _point_to_point(self, ops):
+            sent = {peer: view.copy() for kind, view, peer in ops if kind == "send"}
+            everyone = self.clique.exchange(self.rank, sent)
+            for kind, view, peer in ops:
+                if kind == "recv":
+                    data = everyone[peer].get(self.rank)
+                    if data is None or data.shape != view.shape or data.dtype != view.dtype:
+                        raise NcclError(f"fake NCCL: rank {self.rank} receives {view.shape} from {peer}, "
+                                        f"which sent {None if data is None else data.shape}")
+                    view[...] = data
+
+        def check_async_error(self):
+            self._live("check_async_error")
+            if self.async_error is not None:
+                raise NcclError(self.async_error)
+
+        def abort(self):
+            self.aborted = self.destroyed = True
+
+        def destroy(self):
+            self.destroyed = True
+
+    nccl.get_unique_id, nccl.groupStart, nccl.groupEnd = get_unique_id, groupStart, groupEnd
+    nccl.NcclCommunicator = NcclCommunicator
+    nccl.made = made
+    return nccl
+
+
+def _ints(who, **args):
+    for name, value in args.items():
+        if isinstance(value, bool) or not isinstance(value, int):  # Cython's intptr_t / size_t / int
+            raise TypeError(f"{who}: {name} must be an int, got {type(value).__name__}")
+        if value < 0 and name not in ("stream",):
+            raise OverflowError(f"{who}: {name} = {value} cannot be negative")
+
+
+# ---- the inner MPI communicator: the thread-rank's threads communicator ------------------
+
+class _PickledBcast:
+    """mpi4py's pickled ``comm.bcast`` over the threads communicator (the inner communicator's ``comm``)."""
+
+    def __init__(self, host):
+        self._host = host
+
+    def bcast(self, obj, root=0):
+        return self._host._allgather_object(obj)[root]
+
+
+def _host_stand_in(comm=None, debug=None, timeout=None, stall_warning=None):
+    host = get_communicator()
+    host.comm = _PickledBcast(host)
+    return host
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    gpus = _gpus["now"] = _Gpus(_BUS_IDS)
+    cupy, nccl = _fake_cupy(), _fake_nccl()
+    aborts = []
+
+    def abort(code):
+        aborts.append(code)
+        nccl_backend._stopping.set()  # MPI_Abort ends the process, and with it every watchdog
+
+    mpi = types.SimpleNamespace(COMM_WORLD=types.SimpleNamespace(Abort=abort))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)  # comm.base imports it for CuPy arrays
+    monkeypatch.setattr(nccl_backend, "import_nccl", lambda: (cupy, nccl))
+    monkeypatch.setattr(nccl_backend, "import_mpi", lambda: mpi)
+    monkeypatch.setattr(nccl_backend, "MpiCommunicator", _host_stand_in)
+    nccl_backend._stopping.clear()
+    yield types.SimpleNamespace(gpus=gpus, cupy=cupy, nccl=nccl, aborts=aborts)
+    nccl_backend._stopping.clear()
+    _gpus["now"] = None
+
+
+def _run(n, fn, visible=None):
+    """fn(rank) on n thread-ranks; rank r sees the GPUs visible[r] (default: all of them)."""
+    def body():
+        rank = get_communicator().rank
+        _gpus["now"].show(range(len(_BUS_IDS)) if visible is None else visible[rank])
+        return fn(rank)
+    return run_threads(n, body, timeout=60)
+
+
+def _outcome(fn):
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # noqa: B902 - the test compares every rank's error
+        return (type(exc).__name__, str(exc))
+
+
+# ---- collectives ---------------------------------------------------------------------------
+
+def _inputs(rank, dtype):
+    rng = np.random.default_rng([7, rank])
+    return (rng.integers(-50, 50, size=(4, 6)) if np.dtype(dtype).kind == "i" else
+            rng.standard_normal((4, 6))).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64])
+def test_device_collectives_go_through_nccl_and_match_numpy(fakes, dtype):
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=30, stall_warning=0)
+        try:
+            x = _dev(_inputs(rank, dtype))
+            inplace = _dev(_inputs(rank, dtype))
+            out = {
+                "device": comm.device,
+                "sum": comm.allreduce(x, "sum").get(),
+                "max": comm.allreduce(x, "max").get(),
+                "inplace": comm.allreduce_(inplace, "min") is inplace and inplace.get(),
+                "iallreduce": comm.iallreduce_(_dev(_inputs(rank, dtype)), "sum").wait().get(),
+                "gather0": comm.allgather(x, axis=0).get(),
+                "gather1": comm.allgather(x, axis=1).get(),
+                "scatter": comm.reduce_scatter(x, "sum", axis=1).get(),
+                "bcast": comm.broadcast(x, root=1).get(),
+                "alltoall": comm.alltoall(x, split_axis=0, concat_axis=1).get(),
+                "x_kept": x.get(),
+            }
+            if np.dtype(dtype).kind == "f":
+                out["mean"] = comm.allreduce(x, "mean").get()
+            out["calls"] = list(comm.comm.calls)
+            return out
+        finally:
+            comm.release()
+
+    results = _run(2, body)
+    a, b = _inputs(0, dtype), _inputs(1, dtype)
+    for rank, out in enumerate(results):
+        assert out["device"] == rank  # every GPU visible: rank i takes GPU i
+        np.testing.assert_array_equal(out["sum"], a + b)
+        np.testing.assert_array_equal(out["max"], np.maximum(a, b))
+        np.testing.assert_array_equal(out["inplace"], np.minimum(a, b))
+        np.testing.assert_array_equal(out["iallreduce"], a + b)
+        np.testing.assert_array_equal(out["gather0"], np.concatenate([a, b], axis=0))
+        np.testing.assert_array_equal(out["gather1"], np.concatenate([a, b], axis=1))
+        np.testing.assert_array_equal(out["scatter"], (a + b)[:, 3 * rank:3 * rank + 3])
+        np.testing.assert_array_equal(out["bcast"], b)
+        np.testing.assert_array_equal(out["alltoall"], np.concatenate([a[2 * rank:2 * rank + 2],
+                                                                       b[2 * rank:2 * rank + 2]], axis=1))
+        np.testing.assert_array_equal(out["x_kept"], _inputs(rank, dtype))
+        if "mean" in out:
+            np.testing.assert_allclose(out["mean"], (a + b) / 2, rtol=1e-6)
+        for name in ("allReduce", "allGather", "reduceScatter", "bcast", "send", "recv"):
+            assert name in out["calls"], f"{name} never reached NCCL: {out['calls']}"
+
+
+def test_host_arrays_travel_over_the_inner_communicator_in_place(fakes):
+    """Bug 1: host state (NumPy) given to the nccl backend crashed on ``.data.ptr``."""
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=30, stall_warning=0)
+        try:
+            x = _inputs(rank, np.float64)
+            step = np.array([10 * (rank + 1)], np.int32)  # an optimizer's global_step
+            out = {
+                "allreduce": comm.allreduce(x, "sum"),
+                "inplace_is_x": comm.allreduce_(step, "max") is step,
+                "step": step.copy(),
+                "iallreduce": comm.iallreduce_(x.copy(), "mean").wait(),
+                "bcast": comm.broadcast(np.array([rank + 0.5]), root=1),
+                "gather": comm.allgather(x[0], axis=0),
+                "scatter": comm.reduce_scatter(x, "sum", axis=0),
+                "alltoall": comm.alltoall(x),
+                "calls": list(comm.comm.calls),
+            }
+            return out
+        finally:
+            comm.release()
+
+    results = _run(2, body)
+    a, b = _inputs(0, np.float64), _inputs(1, np.float64)
+    for rank, out in enumerate(results):
+        for key in ("allreduce", "iallreduce", "bcast", "gather", "scatter", "alltoall"):
+            assert isinstance(out[key], np.ndarray), f"{key} came back as {type(out[key])}, not on the host"
+        np.testing.assert_array_equal(out["allreduce"], a + b)
+        assert out["inplace_is_x"]
+        np.testing.assert_array_equal(out["step"], [20])
+        np.testing.assert_allclose(out["iallreduce"], (a + b) / 2)
+        np.testing.assert_array_equal(out["bcast"], [1.5])
+        np.testing.assert_array_equal(out["gather"], np.concatenate([a[0], b[0]]))
+        np.testing.assert_array_equal(out["scatter"], (a + b)[2 * rank:2 * rank + 2])
+        np.testing.assert_array_equal(out["alltoall"], np.concatenate([a[2 * rank:2 * rank + 2],
+                                                                       b[2 * rank:2 * rank + 2]]))
+        assert out["calls"] == [], f"host arrays must not reach NCCL: {out['calls']}"
+
+
+def test_parameter_broadcast_sends_host_optimizer_state_and_device_parameters(fakes, monkeypatch):
+    """What Model does with parameter_broadcast=True (examples/resnet_cifar.py): the network's
+    parameters (device) and the optimizer's state (device momentum, host global_step and SGD's
+    stat flags) take rank 0's values on every rank, each where it lives."""
+    real = grad_reducer_module.get_array_module
+    monkeypatch.setattr(grad_reducer_module, "get_array_module",
+                        lambda *xs: fakes.cupy if any(isinstance(x, _DevArray) for x in xs) else real(*xs))
+
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=30, stall_warning=0)
+        try:
+            params = [Parameter(np.zeros(s, np.float32), name=f"w{i}") for i, s in enumerate([(3, 2), (2,)])]
+            opt = SGD(params, learning_rate=0.1, momentum=0.9)
+            for p in params:  # the network on this rank's GPU, as built after init()
+                p.data = _dev(np.full(p.shape, rank + 1.0, np.float32))
+            for name, buf in opt.parameters_and_names():
+                if name.startswith("accum."):
+                    buf.data = _dev(np.full(buf.shape, 10.0 * (rank + 1), np.float32))
+            opt.global_step = 100 * (rank + 1)
+            for name, buf in opt.parameters_and_names():
+                if name.startswith("stat."):
+                    buf.data[...] = rank  # rank 0 has done its first update, rank 1 not
+            tensors = params + [p for _, p in opt.parameters_and_names()]
+            held = [t.data for t in tensors]
+            reducer = DistributedGradReducer(opt.parameters, comm=comm, parameter_broadcast=True)
+            reducer.broadcast_parameters(tensors)
+            kinds = {name: type(p.data).__name__ for name, p in opt.parameters_and_names()}
+            return {
+                "params": [p.data.get() for p in params],
+                "accum": [b.data.get() for n, b in opt.parameters_and_names() if n.startswith("accum.")],
+                "stat": [b.data.copy() for n, b in opt.parameters_and_names() if n.startswith("stat.")],
+                "global_step": opt.global_step,
+                "in_place": all(t.data is h for t, h in zip(tensors, held)),
+                "kinds": kinds,
+                "calls": list(comm.comm.calls),
+            }
+        finally:
+            comm.release()
+
+    for out in _run(2, body):
+        for p in out["params"]:
+            np.testing.assert_array_equal(p, np.ones_like(p))
+        for a in out["accum"]:
+            np.testing.assert_array_equal(a, np.full_like(a, 10.0))
+        for s in out["stat"]:
+            np.testing.assert_array_equal(s, [0.0])
+        assert out["global_step"] == 100
+        assert out["in_place"]
+        assert out["kinds"]["global_step"] == "ndarray" and out["kinds"]["stat.w0"] == "ndarray"
+        assert out["kinds"]["accum.w0"] == "_DevArray"
+        assert out["calls"].count("bcast") == 1, f"the device tensors fit in one fused broadcast: {out['calls']}"
+
+
+# ---- the device of each rank ----------------------------------------------------------------
+
+def test_ranks_that_each_see_one_gpu_take_their_device_0(fakes):
+    """Bug 4: CUDA_VISIBLE_DEVICES per rank (the usual cluster setup) made Device(local_rank) fail."""
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=30, stall_warning=0)
+        try:
+            total = comm.allreduce(_dev(np.array([rank + 1.0])), "sum").get()
+            return comm.device, comm.visible_devices, comm.comm.bus, total
+        finally:
+            comm.release()
+
+    results = _run(2, body, visible=[[2], [3]])
+    assert results == [(0, 1, _BUS_IDS[2], np.array([3.0])), (0, 1, _BUS_IDS[3], np.array([3.0]))]
+
+
+def test_two_ranks_on_one_gpu_are_refused_on_every_rank_naming_the_counts(fakes):
+    def body(rank):
+        return _outcome(lambda: nccl_backend.NcclCommunicator(timeout=30, stall_warning=0))
+
+    results = _run(2, body, visible=[[1], [1]])
+    for kind, message in results:
+        assert kind == "RuntimeError", message
+        assert "rank 0 (local rank 0 of 2 on its machine, device 0 of the 1 it sees" in message
+        assert "rank 1 (local rank 1 of 2 on its machine, device 0 of the 1 it sees" in message
+        assert f"would share one GPU (PCI bus {_BUS_IDS[1]})" in message
+        assert "The machine runs 2 ranks and rank 1 sees 1 GPU(s)" in message
+    assert fakes.nccl.made == [], "no NCCL communicator may be made"
+
+
+def test_more_ranks_than_visible_gpus_are_refused(fakes):
+    def body(rank):
+        return _outcome(lambda: nccl_backend.NcclCommunicator(timeout=30, stall_warning=0))
+
+    results = _run(3, body, visible=[[0, 1]] * 3)  # 3 ranks, 2 GPUs: ranks 0 and 2 would share GPU 0
+    for kind, message in results:
+        assert kind == "RuntimeError", message
+        assert "rank 0 (local rank 0 of 3" in message and "rank 2 (local rank 2 of 3" in message
+        assert "sees 2 GPU(s)" in message and "ppr:2:node" in message
+
+
+def test_a_rank_that_sees_no_gpu_fails_every_rank_naming_it(fakes):
+    def body(rank):
+        return _outcome(lambda: nccl_backend.NcclCommunicator(timeout=30, stall_warning=0))
+
+    for kind, message in _run(2, body, visible=[[0], []]):
+        assert kind == "RuntimeError", message
+        assert message.startswith("nccl backend: rank 1 cannot choose its GPU: RuntimeError: CUDA sees no usable GPU")
+        assert "cudaErrorNoDevice" in message
+
+
+def test_an_explicit_device_out_of_range_is_refused_naming_the_count(fakes):
+    def body(rank):
+        return _outcome(lambda: nccl_backend.NcclCommunicator(device=2, timeout=30, stall_warning=0))
+
+    for kind, message in _run(1, body, visible=[[0, 1]]):
+        assert kind == "RuntimeError", message
+        assert "device must be an int in [0, 1] (this process sees 2 CUDA device(s)" in message
+        assert "got 2" in message
+
+
+def test_an_array_on_another_gpu_is_refused_naming_both(fakes):
+    """A network built before init() lives on GPU 0; rank 1's collectives run on GPU 1."""
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=30, stall_warning=0)
+        try:
+            if rank == 0:
+                return None
+            fakes.gpus.use(0)
+            early = _dev(np.ones(3))  # allocated while GPU 0 was current
+            fakes.gpus.use(comm.device)
+            # allreduce_ (the gradient buckets' in-place reduction) hands the array itself to NCCL.
+            return _outcome(lambda: comm.allreduce_(early))
+        finally:
+            comm.release()
+
+    kind, message = _run(2, body)[1]
+    assert kind == "ValueError", message
+    assert "allreduce_ got an array on GPU 0, but rank 1 runs its collectives on GPU 1" in message
+    assert "after minidl_parallel.init()" in message
+
+
+# ---- sub-communicators and release -----------------------------------------------------------
+
+def test_release_destroys_sub_communicators_and_frees_their_inner_communicators(fakes, monkeypatch):
+    """Bug 9: sub-communicators (SyncBatchNorm groups, tensor-parallel groups) were never freed."""
+    released = []
+    monkeypatch.setattr(ThreadsCommunicator, "release", lambda self: released.append(self))
+
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=30, stall_warning=0)
+        sub = comm.split([1, 0])
+        total = sub.allreduce(_dev(np.array([rank + 1.0])), "sum").get()
+        nccl_comms, host = (comm.comm, sub.comm), sub._mpi
+        comm.release()
+        comm.release()  # a second release does nothing
+        return {"sub_rank": sub.rank, "total": total, "destroyed": [c.destroyed for c in nccl_comms],
+                "sub_comm": sub.comm, "host_released": [h is host for h in released if h is host],
+                "world_host_released": any(h is comm._mpi for h in released)}
+
+    for rank, out in enumerate(_run(2, body)):
+        assert out["sub_rank"] == 1 - rank
+        np.testing.assert_array_equal(out["total"], [3.0])
+        assert out["destroyed"] == [True, True]
+        assert out["sub_comm"] is None
+        assert out["host_released"] == [True], "the sub-communicator's inner communicator was not freed once"
+        assert out["world_host_released"], "the communicator's own inner communicator was not freed"
+
+
+def test_release_stops_the_watchdog_before_destroying_the_communicator(fakes):
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=60, stall_warning=0)
+        fakes.gpus.idle = False  # the collective stays in flight: the watchdog polls check_async_error
+        comm.allreduce(_dev(np.ones(2)))
+        dog = comm._watchdog
+        polled = _wait_until(lambda: "check_async_error" in comm.comm.calls)
+        comm.release()
+        return polled, dog.is_alive(), dog in nccl_backend._watchdogs
+
+    try:
+        results = _run(2, body)
+    finally:
+        fakes.gpus.idle = True
+    for polled, alive, listed in results:
+        assert polled, "the watchdog never polled NCCL for asynchronous errors"
+        assert not alive and not listed
+    assert fakes.aborts == [], "the watchdog used the destroyed communicator and ended the job"
+
+
+def test_an_asynchronous_nccl_error_aborts_nccl_and_the_mpi_job(fakes):
+    """NCCL's asynchronous error (e.g. a peer's connection lost) on a rank ends the job:
+    ncclCommAbort, then MPI_Abort, which mpirun turns into the end of every rank."""
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=60, stall_warning=0)
+        fakes.gpus.idle = False
+        nccl_comm = comm.comm
+        if rank == 1:
+            nccl_comm.async_error = "remote process exited or there was a network error"
+        comm.allreduce(_dev(np.ones(2)))
+        if rank == 1:
+            _wait_until(lambda: fakes.aborts)
+        comm.comm = None  # stops the watchdog (what MPI_Abort would have done)
+        return nccl_comm.aborted
+
+    try:
+        results = _run(2, body)
+    finally:
+        fakes.gpus.idle = True
+    assert results == [False, True]
+    assert fakes.aborts == [1]
+
+
+def _wait_until(condition, limit=5.0):
+    done = threading.Event()
+    for _ in range(int(limit / 0.01)):
+        if condition():
+            return True
+        done.wait(0.01)
+    return False
+
+
+# ---- under mpirun: the real inner MpiCommunicator -----------------------------------------
+
+_MPI_SCRIPT = '''
+import sys, types
+import numpy as np
+sys.path.insert(0, {tests!r})
+import test_nccl_backend as fakes
+from minidl_parallel.comm import nccl as nccl_backend
+from mpi4py import MPI
+
+fakes._gpus["now"] = fakes._Gpus(fakes._BUS_IDS)
+made = []
+
+class NcclCommunicator:  # only made and destroyed here: its collectives need the in-process fakes
+    def __init__(self, ndev, commId, rank, /):
+        assert len(commId) == 128 and 0 <= rank < ndev
+        self.destroyed = False
+        made.append(self)
+
+    def destroy(self):
+        self.destroyed = True
+
+nccl = types.SimpleNamespace(NcclCommunicator=NcclCommunicator, get_unique_id=lambda: tuple([1] * 128),
+                             NCCL_SUM=0, NCCL_PROD=1, NCCL_MAX=2, NCCL_MIN=3)
+nccl_backend.import_nccl = lambda: (fakes._fake_cupy(), nccl)
+comm = nccl_backend.NcclCommunicator(timeout=30, stall_warning=0)
+r = comm.rank
+step = np.array([10 * (r + 1)], np.int32)
+assert comm.allreduce_(step, "max") is step and step.tolist() == [20], step
+assert comm.broadcast(np.array([r + 0.5]), root=1).tolist() == [1.5]
+assert comm.allgather(np.array([float(r)])).tolist() == [0.0, 1.0]
+sub = comm.split([1, 0])
+assert sub.rank == 1 - r and sub.allreduce(np.array([r + 1.0])).tolist() == [3.0]
+inner = sub._mpi.comm
+comm.release()
+assert inner == MPI.COMM_NULL, "the sub-communicator's MPI communicator was not freed"
+assert sub.comm is None and all(c.destroyed for c in made), "an NCCL communicator was not destroyed"
+print(f"rank {{r}}: ok", flush=True)
+'''
+
+
+def test_host_arrays_split_and_release_over_the_real_inner_mpi_communicator(tmp_path):
+    """NcclCommunicator() as init() makes it, on mpirun's ranks: the bootstrap, host arrays, a
+    split and its release go through the real MpiCommunicator (CuPy and NCCL still faked)."""
+    from .test_mpi import mpirun
+    script = tmp_path / "nccl_over_mpi.py"
+    script.write_text(_MPI_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    proc = mpirun(2, script)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank")) == ["rank 0: ok", "rank 1: ok"]

@@ -138,3 +138,19 @@ def rng():
         seed = _state["seed"]
         gen = _rng_local.generator = numpy.random.default_rng(seed)
     return gen
+
+
+def device_rng():
+    """The CuPy RandomState for one draw on the device, seeded from rng() (per thread).
+
+    CuPy's own ``cupy.random`` state is one per device and ``cupy.random.seed`` seeds only the
+    current device's: ranks on other devices would draw unseeded numbers, thread-ranks sharing a
+    device would share one stream, and a checkpoint (which saves rng()'s state) could not resume
+    it. Seeding each draw from rng() costs one host integer (no transfer, no sync) and makes
+    device draws follow set_seed on every device and thread, and resume exactly.
+    """
+    gen = getattr(_rng_local, "device_generator", None)
+    if gen is None:
+        gen = _rng_local.device_generator = _import_cupy().random.RandomState()
+    gen.seed(int(rng().integers(2 ** 63)))
+    return gen

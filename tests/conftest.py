@@ -1,10 +1,28 @@
 """Hypothesis profiles: 'ci' (selected when CI=true) keeps example counts bounded and
-derandomised so the whole suite stays under 10 minutes on 2 cores; 'dev' explores more."""
+derandomised so the whole suite stays under 10 minutes on 2 cores; 'dev' explores more.
+
+The device-pinned mode: ``MINIDL_TEST_DEVICE=double`` installs the strict device double
+(minidl/testing/cupy_double) as ``cupy`` before minidl is imported and pins every test to
+``MINIDL_DEVICE=GPU``, so the whole suite runs minidl's GPU path without a GPU. Tests marked
+``cpu_only`` (OpenBLAS threading, the allocator, mpirun jobs, PyTorch comparisons) are skipped
+there. ``MINIDL_TEST_DEVICE=gpu`` pins to the real CuPy on a GPU machine.
+"""
 import os
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
+
+TEST_DEVICE = os.environ.get("MINIDL_TEST_DEVICE", "").lower()
+if TEST_DEVICE not in ("", "cpu", "double", "gpu"):
+    raise RuntimeError(f"MINIDL_TEST_DEVICE must be 'cpu', 'double' or 'gpu', got {TEST_DEVICE!r}")
+if TEST_DEVICE == "double":
+    # before anything imports minidl: its backend caches the cupy module on first use
+    from minidl.testing import cupy_double
+    cupy_double.install()
+if TEST_DEVICE in ("double", "gpu"):
+    os.environ["MINIDL_DEVICE"] = "GPU"
+DEVICE_PINNED = TEST_DEVICE in ("double", "gpu")
 
 settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -12,6 +30,33 @@ settings.register_profile("dev", max_examples=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("thorough", max_examples=500, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") == "true" else "dev"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only: the test is about the CPU path (OpenBLAS threads, the "
+                                       "allocator, mpirun jobs, PyTorch); skipped when pinned to a GPU device")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not DEVICE_PINNED:
+        return
+    skip = pytest.mark.skip(reason=f"cpu_only test: MINIDL_TEST_DEVICE={TEST_DEVICE} pins the suite to the GPU")
+    for item in items:
+        if item.get_closest_marker("cpu_only"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _pinned_device():
+    """In the device-pinned mode, no test may leave the GPU behind (set_context("CPU") and not
+    restore it): the rest of the suite would silently test the CPU path."""
+    yield
+    if DEVICE_PINNED:
+        from minidl import backend
+        target = backend.get_device_target()
+        if target != "GPU":
+            backend.set_context("GPU")  # so one leak does not turn every later test into a CPU test
+            pytest.fail(f"MINIDL_TEST_DEVICE={TEST_DEVICE}: the test left the device target at {target}")
 
 
 @pytest.fixture(autouse=True)

@@ -1,8 +1,9 @@
 """Dropout: zero each element with probability 1 - keep_prob and scale the kept ones by 1/keep_prob.
 
 The mask is drawn from the framework's generator (``minidl.backend.rng()``, seeded by
-``minidl.set_seed``) for NumPy arrays and from ``cupy.random`` for CuPy arrays, so runs repeat
-exactly under a fixed seed. Nonzero ``seed0`` / ``seed1`` give the primitive its own
+``minidl.set_seed``) for NumPy arrays and from ``minidl.backend.device_rng()`` for CuPy arrays
+(CuPy's RandomState, reseeded from that same generator at each draw: every device and thread-rank
+follows set_seed, and checkpoints resume it), so runs repeat exactly under a fixed seed. Nonzero ``seed0`` / ``seed1`` give the primitive its own
 generator instead, as MindSpore's seeds do.
 """
 import numpy
@@ -65,7 +66,7 @@ class Dropout(Primitive):
                 gen = self._generators["numpy"] = numpy.random.default_rng([self.seed0, self.seed1])
             return gen.random(shape, dtype=numpy.float32)
         if not seeded:
-            return xp.random.random_sample(shape, dtype=xp.float32)
+            return backend.device_rng().random_sample(shape, dtype=xp.float32)
         gen = self._generators.get("cupy")
         if gen is None:
             gen = self._generators["cupy"] = xp.random.RandomState(self.seed0 * 2**32 + self.seed1)

@@ -26,6 +26,7 @@ def test_env_var_selects_the_device():
     assert out.returncode == 0 and out.stdout.strip() == "CPU"
 
 
+@pytest.mark.cpu_only  # the fresh process imports the machine's own CuPy (none here), not the device double
 def test_default_is_gpu_only_when_cupy_sees_one():
     out = _device_in_fresh_process(None)
     assert out.stdout.strip() == ("GPU" if backend.gpu_available() else "CPU")
@@ -71,9 +72,13 @@ def test_a_cuda_without_devices_is_named(monkeypatch):
 
 
 def test_cpu_tensors_are_numpy():
-    minidl.set_context(device_target="CPU")
-    assert isinstance(minidl.Tensor([1.0]).data, np.ndarray)
-    assert backend.get_array_module(np.ones(1)) is np
+    before = minidl.get_context("device_target")
+    try:
+        minidl.set_context(device_target="CPU")
+        assert isinstance(minidl.Tensor([1.0]).data, np.ndarray)
+        assert backend.get_array_module(np.ones(1)) is np
+    finally:
+        minidl.set_context(device_target=before)  # the device-pinned suite must stay pinned
 
 
 def test_set_seed_makes_initialisation_repeat():

@@ -122,6 +122,7 @@ def test_forked_child_gets_its_own_pool(threads):
 
 
 @needs_local_blas
+@pytest.mark.cpu_only  # intra-op row blocks split NumPy work over host threads; a GPU has none
 def test_batchnorm_and_relu_in_row_blocks_equal_one_block(threads, monkeypatch):
     """Every array large enough for blocks (threshold 0), on 3 threads (7 images: blocks of
     3, 2, 2) vs one block: ReLU exactly, BatchNorm to rounding (the per-channel sums add

@@ -95,8 +95,12 @@ def test_str_prints_the_values_as_mindspore():
 def test_set_context_validates():
     with pytest.raises(ValueError, match="device_target must be 'CPU' or 'GPU'"):
         minidl.set_context(device_target="TPU")
-    minidl.set_context(device_target="CPU")
-    assert minidl.get_context("device_target") == "CPU"
+    before = minidl.get_context("device_target")
+    try:
+        minidl.set_context(device_target="CPU")
+        assert minidl.get_context("device_target") == "CPU"
+    finally:
+        minidl.set_context(device_target=before)  # the device-pinned suite must stay pinned
 
 
 def test_set_seed_validates():

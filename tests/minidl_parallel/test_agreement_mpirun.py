@@ -1,5 +1,9 @@
 """Agreement checks and uneven inputs under real mpirun: every rank raises a message, none crashes or hangs."""
 from test_mpirun_training import ROOT, mpirun
+import pytest
+
+# mpirun starts fresh processes: they import the machine's own CuPy, not the device double.
+pytestmark = pytest.mark.cpu_only
 
 
 def test_differing_models_and_uneven_data_raise_on_every_rank_under_mpirun():

@@ -25,7 +25,7 @@ def _per_rank(op_factory, X, W):
         op = op_factory()
         y = op(x)
         gx = minidl.grad(lambda t: (op_factory()(t) * Tensor(W[r])).sum())(x)
-        return y.data, gx.data
+        return y.asnumpy(), gx.asnumpy()
     return run_threads(len(X), body)
 
 
@@ -37,7 +37,7 @@ def _reference(fn, X, W):
     """One process: the stacked outputs fn(X) (one row per rank) and d sum(W * fn(X)) / dX."""
     y = fn(Tensor(X))
     gx = minidl.grad(lambda t: (fn(t) * Tensor(W)).sum())(Tensor(X))
-    return y.data, gx.data
+    return y.asnumpy(), gx.asnumpy()
 
 
 def _draw(data, n, shape, distinct=False):
@@ -74,7 +74,7 @@ def test_allreduce_max_ties_share_the_gradient():
 
 def test_allreduce_prod_has_no_gradient():
     X, W = np.array([[2.0], [3.0]]), np.ones((2, 1))
-    y = run_threads(2, lambda: AllReduce("prod")(Tensor(X[minidl_parallel_rank()])).data)
+    y = run_threads(2, lambda: AllReduce("prod")(Tensor(X[minidl_parallel_rank()])).asnumpy())
     np.testing.assert_allclose(y, [[6.0], [6.0]])
     with pytest.raises(RuntimeError, match="AllReduce: op=.prod. has no gradient"):
         _per_rank(lambda: AllReduce("prod"), X, W)
@@ -142,5 +142,5 @@ def test_explicit_group_is_used():
     def body():
         world = resolve_communicator("test", None)
         sub = world.split([0, 1] if world.rank < 2 else [2, 3])
-        return AllReduce("sum", group=sub)(Tensor(np.array([float(world.rank)]))).data[0]
+        return AllReduce("sum", group=sub)(Tensor(np.array([float(world.rank)]))).asnumpy()[0]
     assert run_threads(4, body) == [1.0, 1.0, 5.0, 5.0]

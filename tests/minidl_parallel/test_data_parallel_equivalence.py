@@ -47,8 +47,8 @@ def _train(kind, bn_cls, init, xs, ys, mean, reducer_factory=None, reduce_loss=N
         if reducer is not None:
             grads = reducer(grads)
         opt(grads)
-        losses.append(reduce_loss(loss.data) if reduce_loss else float(loss.data))
-    return losses, {name: p.data.copy() for name, p in net.parameters_and_names()}
+        losses.append(reduce_loss(loss.asnumpy()) if reduce_loss else float(loss.data))
+    return losses, {name: p.asnumpy().copy() for name, p in net.parameters_and_names()}
 
 
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
@@ -63,7 +63,7 @@ def test_data_parallel_equals_one_process_on_the_global_batch(kind, n, per_rank,
     xs = rng.standard_normal((k, batch) + IN_SHAPE[kind])
     ys = rng.standard_normal((k, batch, 2))
     minidl.set_seed(seed)
-    init = {name: p.data.copy() for name, p in _net(kind, nn.BatchNorm2d).parameters_and_names()}
+    init = {name: p.asnumpy().copy() for name, p in _net(kind, nn.BatchNorm2d).parameters_and_names()}
 
     want_losses, want_params = _train(kind, nn.BatchNorm2d, init, xs, ys, mean)
 
@@ -91,7 +91,7 @@ def test_plain_batchnorm_keeps_local_statistics():
     rng = np.random.default_rng(3)
     xs = rng.standard_normal((1, 4) + IN_SHAPE["cnn"]) * np.arange(1, 5).reshape(1, 4, 1, 1, 1)
     ys = rng.standard_normal((1, 4, 2))
-    init = {name: p.data.copy() for name, p in _net("cnn", nn.BatchNorm2d).parameters_and_names()}
+    init = {name: p.asnumpy().copy() for name, p in _net("cnn", nn.BatchNorm2d).parameters_and_names()}
     _, want = _train("cnn", nn.BatchNorm2d, init, xs, ys, True)
 
     def rank_body():
@@ -114,7 +114,7 @@ def test_model_train_under_data_parallel_equals_one_process(gradients_mean, mode
     rng = np.random.default_rng(5)
     X = rng.standard_normal((n * per_rank * steps,) + IN_SHAPE["cnn"])
     Y = rng.standard_normal((n * per_rank * steps, 2))
-    init = {name: p.data.copy() for name, p in _net("cnn", nn.BatchNorm2d).parameters_and_names()}
+    init = {name: p.asnumpy().copy() for name, p in _net("cnn", nn.BatchNorm2d).parameters_and_names()}
     reduction = "mean" if gradients_mean else "sum"
 
     def set_mode():
@@ -130,7 +130,7 @@ def test_model_train_under_data_parallel_equals_one_process(gradients_mean, mode
             before_train()
         ds = NumpySlicesDataset({"data": X, "label": Y}, shuffle=False, **(shards or {})).batch(batch)
         model.train(1, ds, progress=False)
-        return {name: p.data.copy() for name, p in net.parameters_and_names()}
+        return {name: p.asnumpy().copy() for name, p in net.parameters_and_names()}
 
     want = fit(nn.BatchNorm2d, n * per_rank)
 

@@ -179,6 +179,7 @@ def test_a_non_finite_state_on_one_rank_makes_every_rank_skip_the_save(tmp_path)
     assert all("on 1 rank(s): rank 1: 1 ('1.moving_mean')" in message for message in skipped)
 
 
+@pytest.mark.cpu_only  # mpirun starts fresh processes: they import the machine's own CuPy, not the device double
 @pytest.mark.parametrize("how", ["rank0", "latest"])
 def test_mpirun_resume_in_a_shared_directory_equals_the_uninterrupted_run_on_every_rank(tmp_path, how):
     if _mpirun_path() is None:

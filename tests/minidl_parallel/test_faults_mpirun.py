@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# mpirun starts fresh processes: they import the machine's own CuPy, not the device double.
+pytestmark = pytest.mark.cpu_only
+
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "tests" / "mpi" / "fault_on_rank.py"
 TIMEOUT_S = 2.0  # MINIDL_COLLECTIVE_TIMEOUT in these jobs

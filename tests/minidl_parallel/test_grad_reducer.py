@@ -51,7 +51,7 @@ def test_reduces_to_the_sum_or_mean_in_one_collective_per_bucket(shapes, n, mean
 
     results = run_threads(n, body)
     expected = _expected_buckets(shapes, [np.dtype(d).itemsize for d in dtypes], fusion)
-    every = [[g.data.astype(np.float64) for g in _grads(shapes, r, seed, dtypes)] for r in range(n)]
+    every = [[g.asnumpy().astype(np.float64) for g in _grads(shapes, r, seed, dtypes)] for r in range(n)]
     for out, count, buckets in results:
         assert buckets == expected
         assert count == len(expected)
@@ -59,7 +59,7 @@ def test_reduces_to_the_sum_or_mean_in_one_collective_per_bucket(shapes, n, mean
             want = sum(e[i] for e in every) / (n if mean else 1)
             assert g.dtype == dtypes[i] and g.shape == shapes[i]
             tol = 1e-5 if dtypes[i] == np.float32 else 1e-12
-            np.testing.assert_allclose(g.data, want, rtol=tol, atol=tol)
+            np.testing.assert_allclose(g.asnumpy(), want, rtol=tol, atol=tol)
 
 
 def test_default_fusion_puts_a_small_net_in_one_bucket_last_layer_first():
@@ -80,8 +80,8 @@ def test_degree_and_none_gradients():
         return reducer((g0, g1))
 
     for g0, g1 in run_threads(2, body):
-        np.testing.assert_allclose(g0.data, [0.75, 0.75])   # (1 + 2) / degree 4
-        np.testing.assert_allclose(g1.data, [2.5, 2.5, 2.5])  # (0 + 10) / 4: None counts as zeros
+        np.testing.assert_allclose(g0.asnumpy(), [0.75, 0.75])   # (1 + 2) / degree 4
+        np.testing.assert_allclose(g1.asnumpy(), [2.5, 2.5, 2.5])  # (0 + 10) / 4: None counts as zeros
 
 
 def test_start_finish_and_ready_overlap_the_buckets():
@@ -105,13 +105,13 @@ def test_start_finish_and_ready_overlap_the_buckets():
         return counts, started, overlapped, again
 
     results = run_threads(3, body)
-    want = [sum(_grads(shapes, r, 7)[i].data for r in range(3)) for i in range(4)]
+    want = [sum(_grads(shapes, r, 7)[i].asnumpy() for r in range(3)) for i in range(4)]
     for counts, started, overlapped, again in results:
         assert counts == [0, 1, 1, 2]  # bucket 0 starts as soon as grads 3 and 2 are in
         assert started == 4
         for i in range(4):
-            np.testing.assert_allclose(overlapped[i].data, want[i], rtol=1e-12)
-            np.testing.assert_allclose(again[i].data, want[i], rtol=1e-12)
+            np.testing.assert_allclose(overlapped[i].asnumpy(), want[i], rtol=1e-12)
+            np.testing.assert_allclose(again[i].asnumpy(), want[i], rtol=1e-12)
 
 
 def test_buckets_start_in_order_even_when_a_later_one_fills_first():
@@ -134,14 +134,14 @@ def test_buckets_start_in_order_even_when_a_later_one_fills_first():
     for waiting, both, out in run_threads(2, body):
         assert (waiting, both) == (0, 2)
         for g in out:
-            np.testing.assert_allclose(g.data, np.ones(2))
+            np.testing.assert_allclose(g.asnumpy(), np.ones(2))
 
 
 def test_returned_gradients_survive_the_next_step():
     reducer = DistributedGradReducer(_params([(3,)]))  # a world of one without init
     first = reducer((Tensor(np.ones(3)),))
     reducer((Tensor(np.full(3, 5.0)),))
-    np.testing.assert_allclose(first[0].data, np.ones(3))
+    np.testing.assert_allclose(first[0].asnumpy(), np.ones(3))
 
 
 def test_errors():
@@ -162,7 +162,7 @@ def test_errors():
         reducer.ready(0, np.ones(2))
     with pytest.raises(RuntimeError, match="a reduction is already in flight"):
         reducer.start((np.ones(2), np.ones(3)))
-    np.testing.assert_allclose(reducer.finish()[1].data, np.zeros(3))  # never given: zeros
+    np.testing.assert_allclose(reducer.finish()[1].asnumpy(), np.zeros(3))  # never given: zeros
     with pytest.raises(ValueError, match="fusion_bytes must be a positive int"):
         DistributedGradReducer(params, fusion_bytes=0)
     with pytest.raises(ValueError, match="degree must be a positive int"):

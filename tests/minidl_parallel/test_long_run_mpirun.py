@@ -3,6 +3,10 @@ mpirun (timeouts on) leak no thread and no memory, and leave the ranks bit-ident
 import re
 
 from test_mpirun_training import ROOT, mpirun
+import pytest
+
+# mpirun starts fresh processes: they import the machine's own CuPy, not the device double.
+pytestmark = pytest.mark.cpu_only
 
 STEPS = 6000
 

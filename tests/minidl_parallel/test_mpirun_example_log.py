@@ -11,6 +11,10 @@ from cifar_files import write_cifar_batches  # noqa: E402
 from test_mpirun_training import ROOT, mpirun  # noqa: E402
 
 from minidl.plot import read_log  # noqa: E402
+import pytest
+
+# mpirun starts fresh processes: they import the machine's own CuPy, not the device double.
+pytestmark = pytest.mark.cpu_only
 
 EXAMPLE = ROOT / "examples" / "resnet_cifar.py"
 

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# mpirun starts fresh processes: they import the machine's own CuPy, not the device double.
+pytestmark = pytest.mark.cpu_only
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -71,7 +71,7 @@ def _train(overlap, log, data, label, init):
         model.train(1, ds, progress=False)
     finally:
         del comm.iallreduce_, comm.allreduce_
-    return ({n: p.data.copy() for n, p in net.parameters_and_names()}, comm.collective_count - before,
+    return ({n: p.asnumpy().copy() for n, p in net.parameters_and_names()}, comm.collective_count - before,
             len(reducer.buckets))
 
 
@@ -79,7 +79,7 @@ def _run_both():
     rng = np.random.default_rng(4)
     data, label = rng.standard_normal((N * PER_RANK * STEPS, 3)), rng.standard_normal((N * PER_RANK * STEPS, 2))
     minidl.set_seed(4)
-    init = {n: p.data.copy() for n, p in _net([]).parameters_and_names()}
+    init = {n: p.asnumpy().copy() for n, p in _net([]).parameters_and_names()}
 
     def body():
         logs = {True: [], False: []}

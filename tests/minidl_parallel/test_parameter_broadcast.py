@@ -16,8 +16,8 @@ class _Snapshot(Callback):
 
     def on_train_begin(self, run_context):
         args = run_context.original_args()
-        self.state = {n: p.data.copy() for n, p in args.network.parameters_and_names()}
-        self.state.update({"opt." + n: p.data.copy() for n, p in args.optimizer.parameters_and_names()})
+        self.state = {n: p.asnumpy().copy() for n, p in args.network.parameters_and_names()}
+        self.state.update({"opt." + n: p.asnumpy().copy() for n, p in args.optimizer.parameters_and_names()})
         run_context.request_stop()
 
 

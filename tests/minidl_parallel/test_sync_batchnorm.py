@@ -16,9 +16,9 @@ def _bn_step(bn, x, w):
     params = [bn.gamma, bn.beta]
     grad_fn = minidl.value_and_grad(lambda t: (bn(t) * Tensor(w)).sum(), 0, params)
     x = Tensor(x)
-    y = bn(x).data  # the grad_fn call below is a second training step
+    y = bn(x).asnumpy()  # the grad_fn call below is a second training step
     _, (gx, (ggamma, gbeta)) = grad_fn(x)
-    return y, gx.data, ggamma.data, gbeta.data, bn.moving_mean.data.copy(), bn.moving_variance.data.copy()
+    return y, gx.asnumpy(), ggamma.asnumpy(), gbeta.asnumpy(), bn.moving_mean.asnumpy().copy(), bn.moving_variance.asnumpy().copy()
 
 
 @given(n=st.sampled_from([1, 2, 3, 4]), per_rank=st.integers(1, 3), c=st.integers(1, 3), hw=st.integers(1, 3),
@@ -66,12 +66,12 @@ def test_inference_is_plain_batchnorm_without_communication():
         bn = SyncBatchNorm(3, moving_mean_init="ones", moving_var_init="ones")
         bn.set_train(False)
         before = comm.collective_count
-        y = bn(Tensor(x)).data
+        y = bn(Tensor(x)).asnumpy()
         return y, comm.collective_count - before
 
     plain = nn.BatchNorm2d(3, moving_mean_init="ones", moving_var_init="ones")
     plain.set_train(False)
-    want = plain(Tensor(x)).data
+    want = plain(Tensor(x)).asnumpy()
     for y, count in run_threads(2, body):
         assert count == 0 and y.dtype == np.float32
         np.testing.assert_allclose(y, want, rtol=1e-6)

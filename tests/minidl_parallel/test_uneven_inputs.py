@@ -49,7 +49,7 @@ def _reference(counts, mean, epochs=1):
             if mean:
                 total = [t / len(counts) for t in total]
             opt(tuple(Tensor(t) for t in total))
-    return {name: p.data.copy() for name, p in net.parameters_and_names()}
+    return {name: p.asnumpy().copy() for name, p in net.parameters_and_names()}
 
 
 def _train_model(counts, mean, uneven_inputs, epochs=1):
@@ -58,7 +58,7 @@ def _train_model(counts, mean, uneven_inputs, epochs=1):
     net = _net()
     model = minidl.Model(net, nn.MSELoss(), nn.SGD(net.trainable_params(), learning_rate=LR))
     model.train(epochs, _dataset(_batches(rank, counts[rank])), progress=False, uneven_inputs=uneven_inputs)
-    return {name: p.data.copy() for name, p in net.parameters_and_names()}
+    return {name: p.asnumpy().copy() for name, p in net.parameters_and_names()}
 
 
 def _each_rank(n, fn, *args):
@@ -117,7 +117,7 @@ def test_join_block_in_a_custom_loop_shadows_the_missing_steps_with_zeros():
             for x, y in _batches(rank, counts[rank]):
                 _, grads = grad_fn(Tensor(x), Tensor(y))
                 opt(reducer(grads))
-        return joined.shadowed_steps, {name: p.data.copy() for name, p in net.parameters_and_names()}
+        return joined.shadowed_steps, {name: p.asnumpy().copy() for name, p in net.parameters_and_names()}
 
     want = _reference(counts, True)
     results = run_threads(3, fn)
@@ -158,7 +158,7 @@ def test_uneven_inputs_on_one_device_trains_as_usual():
     model = minidl.Model(net, nn.MSELoss(), nn.SGD(net.trainable_params(), learning_rate=LR))
     model.train(1, _dataset(_batches(0, 3)), progress=False, uneven_inputs=True)
     for name, p in net.parameters_and_names():
-        np.testing.assert_allclose(p.data, want[name], rtol=1e-12, err_msg=name)
+        np.testing.assert_allclose(p.asnumpy(), want[name], rtol=1e-12, err_msg=name)
     with pytest.raises(TypeError, match="uneven_inputs must be a bool, got 'yes'"):
         model.train(1, _dataset(_batches(0, 3)), progress=False, uneven_inputs="yes")
 

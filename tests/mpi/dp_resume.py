@@ -55,7 +55,7 @@ def build():
 
 def state(net, opt):
     """Every parameter (moving statistics included) and optimizer state, by name."""
-    out = {name: np.array(p.data) for name, p in net.parameters_and_names()}
+    out = {name: p.asnumpy().copy() for name, p in net.parameters_and_names()}
     out.update({f"optimizer.{name}": np.array(v.asnumpy()) for name, v in opt.state_dict().items()})
     return out
 

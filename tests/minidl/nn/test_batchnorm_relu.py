@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+import minidl
 from minidl import nn, ops, Tensor
 from minidl.runtime import Runtime
 
@@ -27,7 +28,8 @@ def test_with_relu_equals_batchnorm_then_relu(layer, shape, train, with_residual
     results = []
     for fused_call in (True, False):
         bn = layer(3, moving_mean_init="ones", dtype=np.float64).set_train(train)
-        bn.gamma.data[...], bn.beta.data[...] = [0.5, -1.0, 2.0], [0.1, 0.0, -0.3]
+        bn.gamma.data[...] = minidl.backend.to_device(np.array([0.5, -1.0, 2.0]))  # to the tensors' device
+        bn.beta.data[...] = minidl.backend.to_device(np.array([0.1, 0.0, -0.3]))
         y, grads = _run(bn, x, residual, fused_call)
         results.append((y, grads, bn.moving_mean.asnumpy(), bn.moving_variance.asnumpy()))
     (y_f, g_f, m_f, v_f), (y_s, g_s, m_s, v_s) = results

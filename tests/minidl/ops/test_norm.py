@@ -40,8 +40,9 @@ def bn_case(draw):
 @given(case=bn_case(), training=st.booleans())
 def test_batch_norm(case, training):
     x, scale, bias, mean, var, eps, fmt = case
-    # Copies per call: training updates the running statistics in place.
-    fn = lambda x, s, b: ops.BatchNorm(training, eps, 0.1, fmt)(x, s, b, mean.copy(), var.copy())
+    # Copies per call: training updates the running statistics in place. Tensors, so that they
+    # live on the tensors' device (the suite also runs pinned to the GPU).
+    fn = lambda x, s, b: ops.BatchNorm(training, eps, 0.1, fmt)(x, s, b, Tensor(mean.copy()), Tensor(var.copy()))
     ref = lambda x, s, b: np_batch_norm(x, s, b, mean, var, training, eps, fmt)
     check_op(fn, [x, scale, bias], reference=ref, fwd_rtol=1e-9)
 
@@ -51,7 +52,7 @@ def test_running_statistics_update(case, momentum, steps):
     x, scale, bias, mean, var, eps, fmt = case
     axis = channel_axis(x.ndim, fmt)
     axes = tuple(i for i in range(x.ndim) if i != axis)
-    running_mean, running_var = mean.copy(), var.copy()
+    running_mean, running_var = Tensor(mean.copy()), Tensor(var.copy())
     expected_mean, expected_var = mean.copy(), var.copy()
     bn = ops.BatchNorm(True, eps, momentum, fmt)
     for step in range(steps):
@@ -59,8 +60,8 @@ def test_running_statistics_update(case, momentum, steps):
         bn(Tensor(xs), Tensor(scale), Tensor(bias), running_mean, running_var)
         expected_mean = (1 - momentum) * expected_mean + momentum * xs.mean(axis=axes)
         expected_var = (1 - momentum) * expected_var + momentum * xs.var(axis=axes, ddof=1)
-    np.testing.assert_allclose(running_mean, expected_mean, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(running_var, expected_var, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(running_mean.asnumpy(), expected_mean, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(running_var.asnumpy(), expected_var, rtol=1e-12, atol=1e-12)
 
 
 def test_parameters_are_updated_in_place_and_inference_leaves_them():
@@ -88,7 +89,7 @@ def test_parameters_are_updated_in_place_and_inference_leaves_them():
 
 def test_training_output_is_normalised():
     x = np.random.default_rng(1).normal(5.0, 3.0, (8, 2, 3, 3))
-    y = ops.BatchNorm(True, 1e-12)(Tensor(x), np.ones(2), np.zeros(2), np.zeros(2), np.ones(2)).asnumpy()
+    y = ops.BatchNorm(True, 1e-12)(*map(Tensor, (x, np.ones(2), np.zeros(2), np.zeros(2), np.ones(2)))).asnumpy()
     np.testing.assert_allclose(y.mean(axis=(0, 2, 3)), 0.0, atol=1e-12)
     np.testing.assert_allclose(y.var(axis=(0, 2, 3)), 1.0, rtol=1e-9)
 
@@ -96,18 +97,18 @@ def test_training_output_is_normalised():
 def test_batch_norm_function():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((3, 2, 2, 2))
-    mean, var = np.zeros(2), np.ones(2)
+    mean, var = Tensor(np.zeros(2)), Tensor(np.ones(2))
     y = ops.batch_norm(Tensor(x), mean, var, training=True, momentum=0.5)
     np.testing.assert_allclose(y.asnumpy(), np_batch_norm(x, np.ones(2), np.zeros(2), None, None, True, 1e-5))
-    np.testing.assert_allclose(mean, 0.5 * x.mean(axis=(0, 2, 3)))
+    np.testing.assert_allclose(mean.asnumpy(), 0.5 * x.mean(axis=(0, 2, 3)))
     w, b = rng.standard_normal(2), rng.standard_normal(2)
     check_op(lambda x, w, b: ops.batch_norm(x, mean, var, w, b), [x, w, b],
-             reference=lambda x, w, b: np_batch_norm(x, w, b, mean, var, False, 1e-5))
+             reference=lambda x, w, b: np_batch_norm(x, w, b, mean.asnumpy(), var.asnumpy(), False, 1e-5))
 
 
 def test_training_without_running_statistics():
     x = np.random.default_rng(3).standard_normal((4, 3))
-    y = ops.BatchNorm(True)(Tensor(x), np.ones(3), np.zeros(3), None, None)
+    y = ops.BatchNorm(True)(Tensor(x), Tensor(np.ones(3)), Tensor(np.zeros(3)), None, None)
     np.testing.assert_allclose(y.asnumpy(), np_batch_norm(x, np.ones(3), np.zeros(3), None, None, True, 1e-5))
 
 
@@ -115,8 +116,8 @@ def test_training_without_running_statistics():
 def test_one_value_per_channel_in_training_is_an_error(shape):
     with pytest.raises(ValueError, match=r"BatchNorm: expected more than 1 value per channel when training, "
                                          r"got input of shape \(1, 3"):
-        ops.BatchNorm(True)(Tensor(np.ones(shape)), np.ones(3), np.zeros(3), np.zeros(3), np.ones(3))
-    y = ops.BatchNorm(False)(Tensor(np.ones(shape)), np.ones(3), np.zeros(3), np.zeros(3), np.ones(3))
+        ops.BatchNorm(True)(*map(Tensor, (np.ones(shape), np.ones(3), np.zeros(3), np.zeros(3), np.ones(3))))
+    y = ops.BatchNorm(False)(*map(Tensor, (np.ones(shape), np.ones(3), np.zeros(3), np.zeros(3), np.ones(3))))
     assert y.shape == shape  # inference is fine
 
 
@@ -163,10 +164,10 @@ def test_sum_over_batch_is_the_seam_of_every_cross_batch_sum(fmt, shape):
 
     def run(op, x, gy):
         xt, st, bt = (Tensor(a, requires_grad=True) for a in (x, scale, bias))
-        mean, var = np.zeros(c), np.ones(c)
+        mean, var = Tensor(np.zeros(c)), Tensor(np.ones(c))
         y = op(xt, st, bt, mean, var)
         y.backward(Tensor(gy))
-        return y.asnumpy(), xt.grad.asnumpy(), st.grad.asnumpy(), bt.grad.asnumpy(), mean, var
+        return y.asnumpy(), xt.grad.asnumpy(), st.grad.asnumpy(), bt.grad.asnumpy(), mean.asnumpy(), var.asnumpy()
 
     got = run(_TwoCopies(True, 1e-5, 0.3, fmt), x, gy)
     want = run(ops.BatchNorm(True, 1e-5, 0.3, fmt), np.concatenate([x, x]), np.concatenate([gy, gy]))

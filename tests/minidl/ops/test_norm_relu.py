@@ -50,7 +50,8 @@ def case(draw):
 def test_batch_norm_relu_with_residual(case, training, small_blocks):
     x, scale, bias, mean, var, eps, residual = case
     residual = away_from_the_kink(x, scale, bias, mean, var, training, eps, residual)
-    fn = lambda x, s, b, r: ops.BatchNormReLU(training, eps, 0.1)(x, s, b, mean.copy(), var.copy(), r)
+    # the running statistics as tensors, so that they live on x's device (also when pinned to the GPU)
+    fn = lambda x, s, b, r: ops.BatchNormReLU(training, eps, 0.1)(x, s, b, Tensor(mean.copy()), Tensor(var.copy()), r)
     ref = lambda x, s, b, r: np_batch_norm_relu(x, s, b, mean, var, training, eps, r)
     with pytest.MonkeyPatch.context() as mp:
         if small_blocks:  # one image per block, and the blocks on every intra-op thread
@@ -69,7 +70,7 @@ def test_batch_norm_relu_without_residual(training, shape):
         x = rng.normal(size=shape)
         if np.abs(pre_activation(x, scale, bias, mean, var, training, 1e-5)).min() > 0.05:
             break
-    fn = lambda x, s, b: ops.BatchNormReLU(training)(x, s, b, mean.copy(), var.copy())
+    fn = lambda x, s, b: ops.BatchNormReLU(training)(x, s, b, Tensor(mean.copy()), Tensor(var.copy()))
     check_op(fn, [x, scale, bias], reference=lambda x, s, b: np_batch_norm_relu(x, s, b, mean, var, training, 1e-5),
              fwd_rtol=1e-9)
 
@@ -88,7 +89,7 @@ def test_same_results_as_batch_norm_add_relu(training, with_residual):
 
     def run(fused):
         tx, ts, tb, tr = (Tensor(a, requires_grad=True) for a in (x, scale, bias, res))
-        mean, var = stats["f" if fused else "s"]
+        mean, var = map(Tensor, stats["f" if fused else "s"])
         extra = (tr,) if with_residual else ()
         if fused:
             y = ops.BatchNormReLU(training, 1e-5, 0.1)(tx, ts, tb, mean, var, *extra)
@@ -97,7 +98,7 @@ def test_same_results_as_batch_norm_add_relu(training, with_residual):
             y = ops.relu(y + tr if with_residual else y)
         y.backward(Tensor(gy))
         grads = [tx.grad, ts.grad, tb.grad] + ([tr.grad] if with_residual else [])
-        return [y.asnumpy()] + [g.asnumpy() for g in grads] + [mean, var]
+        return [y.asnumpy()] + [g.asnumpy() for g in grads] + [mean.asnumpy(), var.asnumpy()]
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(norm_relu, "_BLOCK_BYTES", 4096)
@@ -117,29 +118,31 @@ def test_float32_statistics_of_a_large_offset():
     ones, zeros = np.ones(4, np.float32), np.zeros(4, np.float32)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(norm_relu, "_BLOCK_BYTES", 2048)  # many blocks, each centred on its own
-        mean, var = zeros.copy(), ones.copy()
-        y = ops.BatchNormReLU(True, 1e-5, 1.0)(Tensor(x), ones, zeros, mean, var).asnumpy()
+        mean, var = Tensor(zeros.copy()), Tensor(ones.copy())
+        y = ops.BatchNormReLU(True, 1e-5, 1.0)(Tensor(x), Tensor(ones), Tensor(zeros), mean, var).asnumpy()
     x64 = x.astype(np.float64)
     np.testing.assert_allclose(y, np_batch_norm_relu(x64, ones, zeros, None, None, True, 1e-5), atol=2e-3)
-    np.testing.assert_allclose(mean, x64.mean(axis=(0, 2, 3)), rtol=1e-6)
-    np.testing.assert_allclose(var, x64.var(axis=(0, 2, 3), ddof=1), rtol=1e-3)
+    np.testing.assert_allclose(mean.asnumpy(), x64.mean(axis=(0, 2, 3)), rtol=1e-6)
+    np.testing.assert_allclose(var.asnumpy(), x64.var(axis=(0, 2, 3), ddof=1), rtol=1e-3)
 
 
 def test_gradient_at_the_kink_is_zero():
     x = Tensor(np.array([[-1.0], [1.0]]), requires_grad=True)  # normalised: -1, 1; plus residual 1: 0, 2
     r = Tensor(np.array([[1.0], [1.0]]), requires_grad=True)
-    ops.BatchNormReLU(False)(x, np.ones(1), np.zeros(1), np.zeros(1), np.ones(1) - 1e-5, r).sum().backward()
+    stats = map(Tensor, (np.ones(1), np.zeros(1), np.zeros(1), np.ones(1) - 1e-5))
+    ops.BatchNormReLU(False)(x, *stats, r).sum().backward()
     np.testing.assert_allclose(r.grad.asnumpy(), [[0.0], [1.0]])
 
 
 def test_batch_norm_relu_function():
     rng = np.random.default_rng(2)
     x, res = rng.standard_normal((3, 2, 2, 2)), rng.standard_normal((3, 2, 2, 2))
-    mean, var = np.zeros(2), np.ones(2)
-    y = ops.batch_norm_relu(Tensor(x), mean, var, np.ones(2), np.zeros(2), Tensor(res), training=True, momentum=0.5)
+    mean, var = Tensor(np.zeros(2)), Tensor(np.ones(2))
+    y = ops.batch_norm_relu(Tensor(x), mean, var, Tensor(np.ones(2)), Tensor(np.zeros(2)), Tensor(res), training=True,
+                            momentum=0.5)
     expected = np_batch_norm_relu(x, np.ones(2), np.zeros(2), None, None, True, 1e-5, res)
     np.testing.assert_allclose(y.asnumpy(), expected, rtol=1e-12)
-    np.testing.assert_allclose(mean, 0.5 * x.mean(axis=(0, 2, 3)))
+    np.testing.assert_allclose(mean.asnumpy(), 0.5 * x.mean(axis=(0, 2, 3)))
 
 
 def test_errors():

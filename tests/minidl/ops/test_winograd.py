@@ -12,6 +12,9 @@ from minidl.testing.strategies import arrays
 
 from test_conv import ref_conv  # noqa: E402  (pytest puts this folder on sys.path)
 
+# Winograd is a NumPy kernel (winograd.applies() requires xp is numpy): on the GPU conv uses im2col.
+pytestmark = pytest.mark.cpu_only
+
 
 @pytest.fixture
 def on(monkeypatch):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+import minidl
 from minidl import Parameter, Tensor
 from minidl.optim import (SGD, Momentum, Optimizer, ExponentialDecayLR, CosineDecayLR, PolynomialDecayLR, WarmUpLR,
                           PiecewiseConstantLR, piecewise_constant_lr, exponential_decay_lr, cosine_decay_lr, warmup_lr)
@@ -44,9 +45,16 @@ def ref_momentum(p, grads, lrs, momentum, nesterov=False, wd=0.0, loss_scale=1.0
     return p
 
 
+def tensors(*arrays):
+    """Gradients as Tensors: they then live on the parameters' device (the suite also runs
+    pinned to the GPU, where a NumPy gradient is a host array)."""
+    return tuple(Tensor(a) for a in arrays)
+
+
 def run(opt, params, grads, as_tensors=True):
     for gs in grads:
-        opt(tuple(Tensor(g) for g in gs) if as_tensors else tuple(gs))
+        # raw arrays of the parameters' device (NumPy on the CPU)
+        opt(tuple(Tensor(g) for g in gs) if as_tensors else tuple(minidl.backend.to_device(g) for g in gs))
 
 
 sgd_configs = st.fixed_dictionaries({
@@ -61,7 +69,7 @@ def test_sgd_matches_reference(cfg):
         cfg["nesterov"] = False
     rng = np.random.default_rng(cfg["seed"])
     params = make_params(rng)
-    start = [p.data.copy() for p in params]
+    start = [p.asnumpy().copy() for p in params]
     grads = make_grads(rng, cfg["steps"])
     scaled = [[g * cfg["loss_scale"] for g in gs] for gs in grads]
     opt = SGD(params, learning_rate=cfg["lr"], momentum=cfg["momentum"], dampening=cfg["dampening"],
@@ -71,7 +79,7 @@ def test_sgd_matches_reference(cfg):
     for i, p in enumerate(params):
         expect = ref_sgd(start[i], [gs[i] * cfg["loss_scale"] for gs in grads], [cfg["lr"]] * cfg["steps"],
                          cfg["momentum"], cfg["dampening"], cfg["nesterov"], cfg["wd"], cfg["loss_scale"])
-        np.testing.assert_allclose(p.data, expect, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(p.asnumpy(), expect, rtol=1e-12, atol=1e-14)
 
 
 @given(momentum=st.sampled_from([0.0, 0.9]), nesterov=st.booleans(), wd=st.sampled_from([0.0, 1e-2]),
@@ -79,33 +87,33 @@ def test_sgd_matches_reference(cfg):
 def test_momentum_matches_reference(momentum, nesterov, wd, steps, seed):
     rng = np.random.default_rng(seed)
     params = make_params(rng)
-    start = [p.data.copy() for p in params]
+    start = [p.asnumpy().copy() for p in params]
     grads = make_grads(rng, steps)
     opt = Momentum(params, learning_rate=0.05, momentum=momentum, weight_decay=wd, use_nesterov=nesterov)
     run(opt, params, grads, as_tensors=bool(seed % 2))  # raw arrays work as well as Tensors
     for i, p in enumerate(params):
         expect = ref_momentum(start[i], [gs[i] for gs in grads], [0.05] * steps, momentum, nesterov, wd)
-        np.testing.assert_allclose(p.data, expect, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(p.asnumpy(), expect, rtol=1e-12, atol=1e-14)
 
 
 def test_sgd_first_step_is_undampened_then_dampened():
     p = Parameter(np.array([1.0]), name="w")
     opt = SGD([p], learning_rate=1.0, momentum=0.5, dampening=0.5)
-    opt((np.array([1.0]),))  # v = g = 1
-    assert p.data[0] == pytest.approx(0.0)
-    opt((np.array([1.0]),))  # v = 0.5 * 1 + 0.5 * 1 = 1
-    assert p.data[0] == pytest.approx(-1.0)
-    opt((np.array([2.0]),))  # v = 0.5 * 1 + 0.5 * 2 = 1.5
-    assert p.data[0] == pytest.approx(-2.5)
+    opt(tensors(np.array([1.0]),))  # v = g = 1
+    assert p.asnumpy()[0] == pytest.approx(0.0)
+    opt(tensors(np.array([1.0]),))  # v = 0.5 * 1 + 0.5 * 1 = 1
+    assert p.asnumpy()[0] == pytest.approx(-1.0)
+    opt(tensors(np.array([2.0]),))  # v = 0.5 * 1 + 0.5 * 2 = 1.5
+    assert p.asnumpy()[0] == pytest.approx(-2.5)
 
 
 def test_momentum_by_hand():
     p = Parameter(np.array([1.0]), name="w")
     opt = Momentum([p], learning_rate=0.1, momentum=0.9, use_nesterov=True)
-    opt((np.array([1.0]),))  # v = 1; p -= 0.1 * (1 + 0.9)
-    assert p.data[0] == pytest.approx(0.81)
-    opt((np.array([1.0]),))  # v = 1.9; p -= 0.1 * (1 + 1.71)
-    assert p.data[0] == pytest.approx(0.81 - 0.271)
+    opt(tensors(np.array([1.0]),))  # v = 1; p -= 0.1 * (1 + 0.9)
+    assert p.asnumpy()[0] == pytest.approx(0.81)
+    opt(tensors(np.array([1.0]),))  # v = 1.9; p -= 0.1 * (1 + 1.71)
+    assert p.asnumpy()[0] == pytest.approx(0.81 - 0.271)
 
 
 @pytest.mark.parametrize("make", [lambda ps: SGD(ps, 0.1, momentum=0.9, weight_decay=0.1),
@@ -114,10 +122,10 @@ def test_weight_decay_skips_beta_and_gamma_only(make):
     names = ["bn.gamma", "bn.beta", "fc.bias", "fc.weight"]
     params = [Parameter(np.ones(2), name=n) for n in names]
     opt = make(params)
-    opt(tuple(np.zeros(2) for _ in names))  # zero gradient: only decay moves a parameter
-    moved = {n: not np.allclose(p.data, 1.0) for n, p in zip(names, params)}
+    opt(tensors(*(np.zeros(2) for _ in names)))  # zero gradient: only decay moves a parameter
+    moved = {n: not np.allclose(p.asnumpy(), 1.0) for n, p in zip(names, params)}
     assert moved == {"bn.gamma": False, "bn.beta": False, "fc.bias": True, "fc.weight": True}
-    np.testing.assert_allclose(params[3].data, 1 - 0.1 * 0.1)
+    np.testing.assert_allclose(params[3].asnumpy(), 1 - 0.1 * 0.1)
 
 
 def test_groups_apply_their_own_lr_and_weight_decay_to_every_member():
@@ -127,20 +135,20 @@ def test_groups_apply_their_own_lr_and_weight_decay_to_every_member():
     assert opt.parameters == (gamma, w, b)
     assert opt.get_lr() == (0.2, 0.1)
     assert opt.get_lr_parameter(b) == 0.1 and opt.get_lr_parameter([gamma, b]) == [0.2, 0.1]
-    opt((np.ones(2), np.ones(2), np.ones(2)))
+    opt(tensors(np.ones(2), np.ones(2), np.ones(2)))
     # grouped: decay applies to gamma too (MindSpore); g = 1 + 0.5 * 1
-    np.testing.assert_allclose(gamma.data, 1 - 0.2 * 1.5)
-    np.testing.assert_allclose(w.data, 1 - 0.2 * 1.5)
-    np.testing.assert_allclose(b.data, 1 - 0.1)
+    np.testing.assert_allclose(gamma.asnumpy(), 1 - 0.2 * 1.5)
+    np.testing.assert_allclose(w.asnumpy(), 1 - 0.2 * 1.5)
+    np.testing.assert_allclose(b.asnumpy(), 1 - 0.1)
 
 
 def test_order_params_fixes_the_gradient_order():
     a, b = Parameter(np.zeros(2), name="a"), Parameter(np.zeros(3), name="b")
     opt = SGD([{"params": [a]}, {"params": [b], "lr": 1.0}, {"order_params": [b, a]}], learning_rate=0.5)
     assert opt.parameters == (b, a)
-    opt((np.ones(3), np.ones(2)))
-    np.testing.assert_allclose(a.data, -0.5)
-    np.testing.assert_allclose(b.data, -1.0)
+    opt(tensors(np.ones(3), np.ones(2)))
+    np.testing.assert_allclose(a.asnumpy(), -0.5)
+    np.testing.assert_allclose(b.asnumpy(), -1.0)
     with pytest.raises(ValueError, match="order_params must list exactly the grouped parameters"):
         SGD([{"params": [a, b]}, {"order_params": [a]}])
 
@@ -151,9 +159,9 @@ def test_dynamic_lr_list_holds_its_last_value():
     seen = []
     for _ in range(5):
         seen.append(opt.get_lr())
-        opt((np.ones(1),))
+        opt(tensors(np.ones(1),))
     assert seen == [1.0, 0.5, 0.25, 0.25, 0.25]
-    assert p.data[0] == pytest.approx(-2.25)
+    assert p.asnumpy()[0] == pytest.approx(-2.25)
     for lr in (np.array([0.3, 0.1]), Tensor(np.array([0.3, 0.1])), (0.3, 0.1)):
         assert SGD([p], learning_rate=lr).get_lr() == pytest.approx(0.3)
 
@@ -162,11 +170,11 @@ def test_schedule_and_callable_learning_rates():
     p = Parameter(np.zeros(1), name="w")
     opt = Momentum([p], learning_rate=ExponentialDecayLR(0.1, 0.5, 2), momentum=0.0)
     for _ in range(4):
-        opt((np.ones(1),))
-    assert p.data[0] == pytest.approx(-0.1 * sum(0.5 ** (i / 2) for i in range(4)))
+        opt(tensors(np.ones(1),))
+    assert p.asnumpy()[0] == pytest.approx(-0.1 * sum(0.5 ** (i / 2) for i in range(4)))
     assert opt.get_lr() == pytest.approx(0.1 * 0.5 ** 2)
     opt = SGD([p], learning_rate=lambda step: 0.01 * (step + 1))
-    opt((np.ones(1),))
+    opt(tensors(np.ones(1),))
     assert opt.get_lr() == pytest.approx(0.02)
 
 
@@ -175,8 +183,8 @@ def test_pytorch_style_step_and_zero_grad():
     opt = SGD([a, b], learning_rate=0.5)
     a.grad = Tensor(np.full(2, 2.0))
     opt.step()  # b has no grad: left alone
-    np.testing.assert_allclose(a.data, 0.0)
-    np.testing.assert_allclose(b.data, 1.0)
+    np.testing.assert_allclose(a.asnumpy(), 0.0)
+    np.testing.assert_allclose(b.asnumpy(), 1.0)
     opt.zero_grad()
     assert a.grad is None and b.grad is None and opt.global_step == 1
 
@@ -186,7 +194,7 @@ def test_updates_happen_in_place():
     data, view = p.data, p.data[0]
     opt = Momentum([p], learning_rate=0.1, momentum=0.9, weight_decay=0.01, loss_scale=2.0)
     buf = opt.state_dict()["moments.w"]
-    opt((np.ones((2, 2), np.float32),))
+    opt(tensors(np.ones((2, 2), np.float32),))
     assert p.data is data and p.data.dtype == np.float32
     assert view[0] != 1.0  # views of the parameter see the update
     assert opt.state_dict()["moments.w"] is buf and buf.data.dtype == np.float32
@@ -202,19 +210,20 @@ def test_float32_updates_stay_float32_and_match_float64():
         [[g.astype(np.float32) for g in gs] for gs in grads])
     for a, b in zip(p32, p64):
         assert a.data.dtype == np.float32
-        np.testing.assert_allclose(a.data, b.data, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("make", [lambda ps: SGD(ps, 0.1, momentum=0.9, dampening=0.1, weight_decay=0.01),
                                   lambda ps: Momentum(ps, 0.1, 0.9, weight_decay=0.01, loss_scale=4.0)])
+@pytest.mark.cpu_only  # tracemalloc sees host memory only
 def test_an_update_allocates_no_parameter_sized_memory(make):
     p = Parameter(np.ones(1 << 20, np.float32), name="w")  # 4 MiB
     g = np.ones(1 << 20, np.float32)
     opt = make([p])
-    opt((g,))  # the first step makes the work buffers
+    opt(tensors(g,))  # the first step makes the work buffers
     tracemalloc.start()
     try:
-        opt((g,))
+        opt(tensors(g,))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -239,7 +248,7 @@ def test_state_round_trip_resumes_exactly():
     assert resumed.global_step == 3
     run(resumed, half, grads[3:])
     for a, b in zip(half, full):
-        np.testing.assert_allclose(a.data, b.data, rtol=1e-14)
+        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-14)
     with pytest.raises(ValueError, match="missing"):
         resumed.load_state_dict({"global_step": np.array([1], np.int32)})
 
@@ -253,12 +262,12 @@ def test_grad_errors_name_the_parameter():
     params = make_params(np.random.default_rng(0))
     opt = SGD(params, 0.1)
     with pytest.raises(ValueError, match=r"SGD: got 2 gradients for 3 parameters \('fc.weight', 'fc.bias'"):
-        opt((np.ones((3, 4)), np.ones(4)))
-    before = params[0].data.copy()
+        opt(tensors(np.ones((3, 4)), np.ones(4)))
+    before = params[0].asnumpy().copy()
     with pytest.raises(ValueError, match=r"gradient 1 for parameter 'fc.bias' has shape \(5,\), "
                                          r"but the parameter has shape \(4,\)"):
-        opt((np.ones((3, 4)), np.ones(5), np.ones(())))
-    np.testing.assert_array_equal(params[0].data, before)  # nothing moved
+        opt(tensors(np.ones((3, 4)), np.ones(5), np.ones(())))
+    np.testing.assert_array_equal(params[0].asnumpy(), before)  # nothing moved
     assert opt.global_step == 0
     with pytest.raises(TypeError, match="grads must be a tuple"):
         opt(np.ones(3))
@@ -293,7 +302,7 @@ def test_construction_errors():
 def test_base_class_needs_an_update_rule():
     opt = Optimizer(0.1, [Parameter(np.ones(1), name="w")])
     with pytest.raises(NotImplementedError, match="_update"):
-        opt((np.ones(1),))
+        opt(tensors(np.ones(1),))
 
 
 # ---- learning-rate schedules and lists (formulas and MindSpore's documented examples) ----

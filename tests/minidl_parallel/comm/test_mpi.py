@@ -53,6 +53,7 @@ def test_debug_mode_reports_mismatched_shapes_under_mpirun():
     assert proc.stdout.count(": ok") == 2
 
 
+@pytest.mark.cpu_only  # a fresh process: the device double is not installed there
 def test_nccl_allgather_example_prints_the_ranks():
     proc = mpirun(4, ROOT / "examples" / "nccl_allgather.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr

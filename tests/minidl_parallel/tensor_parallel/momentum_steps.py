@@ -6,6 +6,11 @@ import minidl
 from minidl import Tensor, nn
 
 
+def host(array):
+    """A NumPy copy of a gathered value, from either array module (the suite also runs pinned to the GPU)."""
+    return np.array(minidl.backend.to_numpy(array))
+
+
 def momentum_steps(net, x, y, steps):
     """Trains ``net`` for ``steps`` Momentum steps on (x, y); returns (losses, output of step 1,
     every parameter and statistic by name), each gathered to its whole value."""
@@ -22,6 +27,6 @@ def momentum_steps(net, x, y, steps):
     for _ in range(steps):
         (loss, out), grads = grad_fn(Tensor(x), Tensor(y))
         losses.append(float(loss.asnumpy()))
-        first = np.array(full_value(out)) if first is None else first
+        first = host(full_value(out)) if first is None else first
         opt(grads)
-    return losses, first, {name: np.array(full_value(p)) for name, p in net.parameters_and_names()}
+    return losses, first, {name: host(full_value(p)) for name, p in net.parameters_and_names()}

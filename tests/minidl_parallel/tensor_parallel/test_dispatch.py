@@ -13,6 +13,11 @@ from minidl_parallel.tensor_parallel.dispatch import full_value
 F64 = minidl.float64
 
 
+def host(array):
+    """A NumPy copy of a gathered value, from either array module (the suite also runs pinned to the GPU)."""
+    return np.array(minidl.backend.to_numpy(array))
+
+
 class Dense(nn.Cell):
     def __init__(self, w, b):
         super().__init__()
@@ -164,7 +169,7 @@ def test_model_train_losses_parameters_and_optimizer_state_equal_single_device(t
         minidl.save_checkpoint(net, str(path), integrated_save=True)
         opt_path = tmp_path / f"opt{mp.get_rank()}.ckpt"
         minidl.save_checkpoint(opt, str(opt_path), integrated_save=True)
-        return losses, {p.name: np.array(full_value(p)) for p in net.trainable_params()}, str(path), str(opt_path)
+        return losses, {p.name: host(full_value(p)) for p in net.trainable_params()}, str(path), str(opt_path)
     for losses, params, path, opt_path in _on_ranks(4, fn):
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-10)
         saved = minidl.load_checkpoint(path)
@@ -192,7 +197,7 @@ def test_checkpoint_loads_into_another_strategy_and_world_size(tmp_path, load_be
         if not load_before_first_use:
             net(_local_x(x))  # parameters become blocks first
         minidl.load_param_into_net(net, minidl.load_checkpoint(path))
-        return np.array(full_value(net(_local_x(x))))
+        return host(full_value(net(_local_x(x))))
     for out in _on_ranks(2, fn):
         np.testing.assert_allclose(out, expected, rtol=1e-10)
 
@@ -234,7 +239,7 @@ def test_model_checkpoint_and_resume_under_tensor_parallel_equal_an_uninterrupte
             callbacks.append(ModelCheckpoint(prefix="ffn", directory=str(directory / f"rank{mp.get_rank()}"),
                                              config=CheckpointConfig(save_checkpoint_steps=2)))
         model.train(epochs, ds, callbacks=callbacks, resume_from=resume)
-        return {p.name: np.array(full_value(p)) for p in net.trainable_params()}, len(steps.values)
+        return {p.name: host(full_value(p)) for p in net.trainable_params()}, len(steps.values)
 
     uninterrupted = _on_ranks(4, lambda: run(2))
     _on_ranks(4, lambda: run(1, tmp_path))
@@ -277,7 +282,7 @@ def test_public_redistribute_relabels_device_axes_of_a_sharded_tensor():
         relabelled = redistribute(cut, Layout((2, 2), ((0,), (1,))))
         assert relabelled.shape == (8, 4) and relabelled.data.shape == (4, 2)
         (relabelled * relabelled).sum().backward()
-        return np.array(full_value(relabelled)), str(relabelled.placement), np.array(t.grad.asnumpy())
+        return host(full_value(relabelled)), str(relabelled.placement), np.array(t.grad.asnumpy())
     for whole, layout, grad in _on_ranks(4, fn):
         np.testing.assert_array_equal(whole, x)
         assert layout == "(a, b) on [2, 2]"

@@ -204,6 +204,7 @@ def test_resnet20_under_semi_auto_without_strategies_equals_single_device():
     from minidl import Tensor, nn
     from minidl.models import resnet20
     from minidl_parallel.tensor_parallel.dispatch import full_value
+    from momentum_steps import host  # a NumPy copy from either array module
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 3, 32, 32)).astype(np.float32)
     y = rng.integers(0, 10, 4).astype(np.int32)
@@ -223,7 +224,7 @@ def test_resnet20_under_semi_auto_without_strategies_equals_single_device():
             loss, grads = grad_fn(Tensor(x), Tensor(y))
             losses.append(float(loss.asnumpy()))
             opt(grads)
-        return losses, {name: np.array(full_value(p)) for name, p in net.parameters_and_names()}
+        return losses, {name: host(full_value(p)) for name, p in net.parameters_and_names()}
 
     ref = run(x, y)
 

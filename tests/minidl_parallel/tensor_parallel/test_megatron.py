@@ -7,6 +7,7 @@ one device's.
 import numpy as np
 import pytest
 
+import minidl
 from minidl import nn, ops, Parameter, Tensor
 from minidl_parallel import run_threads
 from minidl_parallel.tensor_parallel import CommCounter
@@ -55,7 +56,7 @@ def _rank(mode):
         y.backward(Tensor(g))
     out = (full_value(y), gather_like(xt.grad, xt), full_value_grad(net.w1), full_value_grad(net.w2))
     mp.reset_auto_parallel_context()
-    return forward, backward, [np.array(a) for a in out], tuple(net.w1.data.shape)
+    return forward, backward, [np.array(minidl.backend.to_numpy(a)) for a in out], tuple(net.w1.data.shape)
 
 
 def full_value_grad(param):

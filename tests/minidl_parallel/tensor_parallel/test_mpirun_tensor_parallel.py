@@ -11,6 +11,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_mpirun_training import ROOT, mpirun  # noqa: E402
 from test_equivalence import chains  # noqa: E402
 
+# mpirun starts fresh processes: they import the machine's own CuPy, not the device double.
+pytestmark = pytest.mark.cpu_only
+
 
 @pytest.mark.parametrize("n", [4, 8])
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck))

@@ -292,8 +292,9 @@ def test_broadcast_binary_blocks_reassemble(data, device_num, op, y_shape):
     s_x = draw_cuts(data, x.shape, device_num)
     s_y = tuple(1 if n == 1 else s_x[2 - len(y_shape) + d] for d, n in enumerate(y_shape))
     simulate(op(), [x, np.asarray(y)], (0, 1), (s_x, s_y), device_num)
-    # A constant (raw) array operand is sliced to each rank's block by localize.
-    simulate(op(), [x, np.asarray(y)], (0,), (s_x, ()), device_num)
+    # A constant (raw) array operand is sliced to each rank's block by localize; raw, it must
+    # already live on the tensors' device (the suite also runs pinned to the GPU).
+    simulate(op(), [x, minidl.backend.to_device(np.asarray(y))], (0,), (s_x, ()), device_num)
 
 
 @given(data=st.data(), device_num=DEVICE_NUMS, op=st.sampled_from([ops.ReLU, ops.Exp, ops.Tanh, ops.Square]))

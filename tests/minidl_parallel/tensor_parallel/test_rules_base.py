@@ -164,7 +164,7 @@ def test_a_callable_local_attrs_gets_the_site_with_coords_and_counted_groups():
             try:
                 with minidl_parallel.CommCounter() as counter:
                     out = _GroupProbe().shard(((2, 2),))(Tensor(np.zeros((4, 4))))
-                return minidl_parallel.get_rank(), out.data.copy(), counter.count("allreduce")
+                return minidl_parallel.get_rank(), out.asnumpy().copy(), counter.count("allreduce")
             finally:
                 minidl_parallel.reset_auto_parallel_context()
         for r, block, allreduces in run_threads(4, rank):

@@ -18,6 +18,11 @@ from minidl_parallel.tensor_parallel.rules.indexing import index_dims
 F64 = np.dtype(np.float64)
 
 
+def host(array):
+    """A NumPy copy of a gathered value, from either array module (the suite also runs pinned to the GPU)."""
+    return np.array(minidl.backend.to_numpy(array))
+
+
 def spec(shape, param=False, dtype=F64):
     return TensorSpec(tuple(shape), dtype, param)
 
@@ -282,7 +287,7 @@ def _dropout_run(n, first, second, seeds, mode, dataset):
         xt = Tensor(_batch(x, n, dataset), requires_grad=True)
         y, loss = net(xt, Tensor(_batch(g, n, dataset)))
         loss.backward()
-        return np.array(full_value(y)), np.array(gather_like(xt.grad, xt))
+        return host(full_value(y)), host(gather_like(xt.grad, xt))
 
     want = run(1, "full_batch")
     assert 0 < np.count_nonzero(want[0]) < x.size  # something dropped, something kept
@@ -338,7 +343,7 @@ def _concat_run(n, strategies, mode, dataset):
         xt = Tensor(_batch(x, n, dataset), requires_grad=True)
         y, loss = _Loss(inner)(xt, Tensor(_batch(g, n, dataset)))
         loss.backward()
-        return [np.array(a) for a in (full_value(y), gather_like(xt.grad, xt), gather_like(inner.w1.grad, inner.w1),
+        return [host(a) for a in (full_value(y), gather_like(xt.grad, xt), gather_like(inner.w1.grad, inner.w1),
                                       gather_like(inner.w2.grad, inner.w2))]
 
     want = run(1, "full_batch", [None] * 5)
@@ -398,7 +403,7 @@ def test_getitem_with_a_tensor_index_equals_one_device(index, strategy, mode):
         xt = Tensor(x, requires_grad=True)
         y, loss = _Loss(TensorIndexNet(index, strategy))(xt, Tensor(g))
         loss.backward()
-        return np.array(full_value(y)), np.array(gather_like(xt.grad, xt))
+        return host(full_value(y)), host(gather_like(xt.grad, xt))
 
     want = run(None)
     for got in _on_ranks(2, lambda: run(strategy), mode):

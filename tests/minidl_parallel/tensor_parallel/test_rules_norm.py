@@ -23,6 +23,11 @@ VEC = spec((4,), True)
 STATS = spec((4,), False)
 
 
+def host(array):
+    """A NumPy copy of a gathered value, from either array module (the suite also runs pinned to the GPU)."""
+    return np.array(minidl.backend.to_numpy(array))
+
+
 def bnr_args(residual=True, stats=True):
     return (X, VEC, VEC) + ((STATS, STATS) if stats else (None, None)) + ((X,) if residual else ())
 
@@ -189,9 +194,9 @@ def test_syncbatchnorm_cell_under_semi_auto_synchronises_over_the_batch_blocks_o
         bn.set_train(True)
         xt = Tensor(x)
         gx, (gg, gb) = minidl.grad(lambda t: (bn(t) * Tensor(w)).sum(), 0, [bn.gamma, bn.beta])(xt)
-        return [np.array(full_value(bn(xt)))] + [np.array(gather_like(g, like)) for g, like in
+        return [host(full_value(bn(xt)))] + [host(gather_like(g, like)) for g, like in
                                                   ((gx, xt), (gg, bn.gamma), (gb, bn.beta))] + \
-            [np.array(full_value(bn.moving_mean)), np.array(full_value(bn.moving_variance))]
+            [host(full_value(bn.moving_mean)), host(full_value(bn.moving_variance))]
 
     ref = run(nn.BatchNorm2d(4, dtype=F64))
 

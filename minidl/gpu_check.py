@@ -269,7 +269,8 @@ def _installed(name):
         return False
 
 
-def _emit(status, summary, **data):
+def emit_result(status, summary, **data):
+    """A worker's one result line, which the stage runner reads from its output."""
     print(RESULT_MARK + json.dumps({"status": status, "summary": summary, "data": data}, default=float), flush=True)
 
 
@@ -313,7 +314,7 @@ def worker_probe(args):
         info["torch"] = version("torch") if _installed("torch") else None
     except Exception as exc:
         info["torch"] = f"unknown ({exc})"
-    _emit("passed", "probed", **info)
+    emit_result("passed", "probed", **info)
 
 
 def _mpi_versions():
@@ -371,7 +372,7 @@ def worker_libs(args):
         raise AssertionError(f"NCCL did not load: {type(exc).__name__}: {exc} (install nvidia-nccl-cu12/-cu13: "
                              "the gpu-cuda12 / gpu-cuda13 extra)") from exc
     print("\n".join(lines), flush=True)
-    _emit("passed", "; ".join(lines), **data)
+    emit_result("passed", "; ".join(lines), **data)
 
 
 def _resnet_data(steps, batch, seed=0):
@@ -426,7 +427,7 @@ def worker_resnet20(args):
     summary = (f"{head}: GPU vs CPU per-tensor max rel diff float32 {numbers['gpu_vs_cpu_float32_max_rel']:.2g} "
                f"(tolerance {numbers['tol_float32_max_rel']:.2g}), float64 "
                f"{numbers['gpu_vs_cpu_float64_max_rel']:.2g} (tolerance {TRAIN_TOL64:g})")
-    _emit("passed" if ok else "failed", summary, **numbers)
+    emit_result("passed" if ok else "failed", summary, **numbers)
 
 
 def _time_steps(step, sync, warmup, steps, rounds):
@@ -467,17 +468,17 @@ def worker_bench(args):
     summary = (f"minidl ResNet-20 batch {args.bench_batch}: {best:.2f} steps/s ({best * args.bench_batch:.0f} "
                f"images/s), best of {len(rates)} rounds of {args.bench_steps} steps; pool {peak:.0f} MiB")
     print(summary, flush=True)
-    _emit("passed", summary, steps_per_s=best, rounds=rates, pool_mib=peak)
+    emit_result("passed", summary, steps_per_s=best, rounds=rates, pool_mib=peak)
 
 
 def worker_bench_torch(args):
     try:
         import torch
     except Exception as exc:
-        _emit("skipped", f"PyTorch does not import: {type(exc).__name__}: {exc}")
+        emit_result("skipped", f"PyTorch does not import: {type(exc).__name__}: {exc}")
         return
     if not torch.cuda.is_available():
-        _emit("skipped", f"PyTorch {torch.__version__} is installed without a usable CUDA "
+        emit_result("skipped", f"PyTorch {torch.__version__} is installed without a usable CUDA "
                          f"(torch.version.cuda={torch.version.cuda})")
         return
     # Like for like: CuPy computes float32 in float32 (no TF32 unless CUPY_TF32=1).
@@ -499,7 +500,7 @@ def worker_bench_torch(args):
     summary = (f"PyTorch {torch.__version__} ResNet-20 batch {args.bench_batch}: {best:.2f} steps/s "
                f"({best * args.bench_batch:.0f} images/s), TF32 off, cuDNN {torch.backends.cudnn.version()}")
     print(summary, flush=True)
-    _emit("passed", summary, steps_per_s=best, rounds=rates)
+    emit_result("passed", summary, steps_per_s=best, rounds=rates)
 
 
 def _torch_resnet20(torch):
@@ -530,7 +531,8 @@ def _torch_resnet20(torch):
     return tnn.Sequential(*layers)
 
 
-def _mlp(seed):
+def float64_mlp(seed):
+    """The small float64 MLP of the data-parallel equivalence stages, from ``seed``."""
     import minidl
     from minidl import nn
     minidl.set_seed(seed)
@@ -539,7 +541,8 @@ def _mlp(seed):
                              nn.Dense(5, 2, dtype=f64))
 
 
-def _train_mlp(net, data, label, batch, **shards):
+def train_mlp(net, data, label, batch, **shards):
+    """One epoch of Model.train on (data, label); returns (losses, parameters as NumPy)."""
     from minidl import nn
     from minidl.dataset import NumpySlicesDataset
     from minidl.train import Callback, Model
@@ -560,142 +563,11 @@ def _train_mlp(net, data, label, batch, **shards):
     return losses.values, {name: minidl.backend.to_numpy(p.data) for name, p in net.parameters_and_names()}
 
 
-def dp_equivalence(comm, per_rank=3, steps=3):
-    """Data-parallel Model.train on GPU (parameter broadcast, averaged gradients) vs one process.
-
-    As tests/mpi/train_equivalence.py, on the device and through ``comm`` (nccl or threads):
-    each rank first trains rank 0's initial float64 MLP alone on the whole global batches, then
-    trains data parallel from its own seed (the broadcast must replace it with rank 0's) on its
-    shard. Losses (averaged over ranks) and parameters must equal the reference to 1e-10
-    relative (float64; only the summation order of the gradient average differs). Returns a
-    list of mismatches (empty when it holds).
-    """
-    import cupy
-    import minidl_parallel as mp
-    n, r = comm.size, comm.rank
-    rng = numpy.random.default_rng(11)
-    data = rng.standard_normal((n * per_rank * steps, 4))
-    label = rng.standard_normal((n * per_rank * steps, 2))
-    want_losses, want = _train_mlp(_mlp(0), data, label, n * per_rank)
-    mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL, gradients_mean=True,
-                                 parameter_broadcast=True)
-    try:
-        local, got = _train_mlp(_mlp(0 if r == 0 else 100 + r), data, label, per_rank, num_shards=n, shard_id=r)
-    finally:
-        mp.reset_auto_parallel_context()
-    got_losses = [float(cupy.asnumpy(comm.allreduce(cupy.asarray([v]), "mean"))[0]) for v in local]
-    failures = []
-    if len(got_losses) != steps or not numpy.allclose(got_losses, want_losses, rtol=1e-10, atol=1e-12):
-        failures.append(f"losses {got_losses} != {want_losses}")
-    failures += [f"parameter {k}" for k, v in want.items() if not numpy.allclose(got[k], v, rtol=1e-10, atol=1e-12)]
-    return failures
-
-
-def collectives_check(comm):
-    """Every collective of ``comm`` on CuPy arrays against NumPy (each rank builds every input)."""
-    import cupy
-    r, n = comm.rank, comm.size
-    failures = []
-
-    def check(name, got, want, rtol=1e-12):
-        # float64 sums in another order (NCCL's ring) differ from NumPy's in the last bits only.
-        if not isinstance(got, cupy.ndarray):
-            failures.append(f"{name}: returned {type(got).__name__}, not a CuPy array")
-            return
-        got = cupy.asnumpy(got)
-        if got.shape != want.shape or got.dtype != want.dtype or not numpy.allclose(got, want, rtol=rtol, atol=rtol):
-            failures.append(f"{name}: got {got.dtype}{got.shape}, want {want.dtype}{want.shape}"
-                            + ("" if got.shape != want.shape else f", max diff {numpy.max(numpy.abs(got - want)):.3g}"))
-
-    xs = [numpy.random.default_rng([0, q]).standard_normal((2 * n, 3)) for q in range(n)]
-    ops = {"sum": lambda v: numpy.sum(v, 0), "max": lambda v: numpy.max(v, 0), "min": lambda v: numpy.min(v, 0),
-           "prod": lambda v: numpy.prod(v, 0)}
-    mine = cupy.asarray(xs[r])
-    for op, ref in ops.items():
-        check(f"allreduce {op}", comm.allreduce(mine, op), ref(xs))
-        y = mine.copy()
-        comm.allreduce_(y, op)
-        check(f"allreduce_ {op}", y, ref(xs))
-        y = mine.copy()
-        comm.iallreduce_(y, op).wait()
-        check(f"iallreduce_ {op}", y, ref(xs))
-        check(f"reduce_scatter {op}", comm.reduce_scatter(mine, op), numpy.split(ref(xs), n)[r])
-    check("allreduce mean", comm.allreduce(mine, "mean"), numpy.mean(xs, 0))
-    check("allgather axis 0", comm.allgather(mine), numpy.concatenate(xs, 0))
-    check("allgather axis 1", comm.allgather(mine, axis=1), numpy.concatenate(xs, 1))
-    check("broadcast", comm.broadcast(mine, root=n - 1), xs[n - 1])
-    check("alltoall", comm.alltoall(mine, 0, 1),
-          numpy.concatenate([numpy.split(xs[q], n, 0)[r] for q in range(n)], 1))
-    f32 = [x.astype(numpy.float32) for x in xs]  # the dtype training sends: float32 rounding, 1e-6
-    check("allreduce float32", comm.allreduce(cupy.asarray(f32[r])), numpy.sum(f32, 0, dtype=numpy.float32), 1e-5)
-    ints = [numpy.arange(6, dtype=numpy.int64) * (q + 1) for q in range(n)]
-    check("allreduce int64", comm.allreduce(cupy.asarray(ints[r])), numpy.sum(ints, 0))
-    comm.barrier()
-    if n > 1:
-        half = list(range(0, n, 2)) if r % 2 == 0 else list(range(1, n, 2))
-        sub = comm.new_group(half)
-        check("sub-group allreduce", sub.allreduce(mine), numpy.sum([xs[q] for q in half], 0))
-        check("sub-group allgather", sub.allgather(mine), numpy.concatenate([xs[q] for q in half], 0))
-    return failures
-
-
-def worker_nccl_one(args):
-    import minidl
-    import minidl_parallel as mp
-    minidl.set_context(device_target="GPU")
-    comm = mp.init("nccl")
-    try:
-        assert comm.backend == "nccl" and comm.size == 1 and comm.rank == 0, \
-            f"init('nccl') gave backend {comm.backend!r}, rank {comm.rank} of {comm.size}"
-        failures = collectives_check(comm)
-        failures += dp_equivalence(comm)
-    finally:
-        mp.release()
-    if failures:
-        _emit("failed", f"one-rank nccl: mismatches: {failures}")
-    else:
-        _emit("passed", "one-rank nccl communicator: every collective on CuPy arrays equals NumPy; data-parallel "
-                        "Model.train (parameter_broadcast) equals training alone")
-
-
-def worker_threads_gpu(args):
-    import minidl
-    import minidl_parallel as mp
-    minidl.set_context(device_target="GPU")
-
-    def rank():
-        comm = mp.get_communicator()
-        return collectives_check(comm) + dp_equivalence(comm)
-    results = mp.run_threads(2, rank)
-    failures = [f"rank {i}: {f}" for i, fs in enumerate(results) for f in fs]
-    if failures:
-        _emit("failed", f"2 thread-ranks on one GPU: mismatches: {failures}")
-    else:
-        _emit("passed", "2 thread-ranks sharing the GPU (threads backend): collectives on CuPy arrays equal NumPy; "
-                        "data-parallel Model.train equals one process on the global batch")
-
-
-def worker_mpi(args):
-    """Under mpirun: nccl-collectives or nccl-dp; every rank prints its own result line."""
-    import minidl
-    import minidl_parallel as mp
-    minidl.set_context(device_target="GPU")
-    comm = mp.init("nccl")
-    try:
-        failures = collectives_check(comm) if args.worker == "nccl-collectives" else dp_equivalence(comm)
-    finally:
-        mp.release()
-    what = "every collective equals NumPy" if args.worker == "nccl-collectives" else \
-        "data-parallel Model.train equals one process on the global batch"
-    if failures:
-        _emit("failed", f"rank {comm.rank} of {comm.size}: mismatches: {failures}")
-    else:
-        _emit("passed", f"{comm.size} ranks over NCCL: {what}")
-
-
 WORKERS = {"probe": worker_probe, "libs": worker_libs, "resnet20": worker_resnet20, "bench": worker_bench,
-           "bench-torch": worker_bench_torch, "nccl-1": worker_nccl_one, "threads-gpu": worker_threads_gpu,
-           "nccl-collectives": worker_mpi, "nccl-dp": worker_mpi}
+           "bench-torch": worker_bench_torch}
+# The stages that need minidl_parallel live in minidl_parallel/gpu_check_workers.py (minidl never
+# imports minidl_parallel); they run as ``python -m minidl_parallel.gpu_check_workers``.
+PARALLEL_WORKERS = ("nccl-1", "threads-gpu", "nccl-collectives", "nccl-dp")
 
 
 # ---- the report ---------------------------------------------------------------------------
@@ -724,7 +596,8 @@ def stage_env(extra=None):
 
 
 def worker_argv(name, args):
-    argv = [sys.executable, "-m", "minidl.gpu_check", "--worker", name, "--steps", str(args.steps), "--batch",
+    module = "minidl_parallel.gpu_check_workers" if name in PARALLEL_WORKERS else "minidl.gpu_check"
+    argv = [sys.executable, "-m", module, "--worker", name, "--steps", str(args.steps), "--batch",
             str(args.batch), "--bench-steps", str(args.bench_steps), "--bench-batch", str(args.bench_batch)]
     return argv
 
@@ -894,7 +767,7 @@ def parse_args(argv=None):
                         + ", ".join(f"{k} {v}" for k, v in TIMEOUTS.items()) + ")")
     p.add_argument("--suite-timeout", type=float, default=SUITE_TIMEOUT,
                    help=f"seconds the test suite may take (default {SUITE_TIMEOUT})")
-    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=sorted(WORKERS) + sorted(PARALLEL_WORKERS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name in ("steps", "batch", "bench_steps", "bench_batch"):
         if getattr(args, name) <= 0:
@@ -908,6 +781,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
+        if args.worker not in WORKERS:
+            raise SystemExit(f"minidl.gpu_check: the {args.worker!r} stage runs as python -m "
+                             f"minidl_parallel.gpu_check_workers --worker {args.worker}")
         WORKERS[args.worker](args)
         return EXIT_OK
     now = datetime.datetime.now(datetime.timezone.utc)

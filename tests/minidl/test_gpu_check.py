@@ -268,11 +268,14 @@ def test_plan_runs_each_stage_with_its_own_command(monkeypatch):
     assert kw["cwd"] == str(ROOT) and kw["env"]["MINIDL_TEST_DEVICE"] == "gpu" and kw["env"]["MINIDL_DEVICE"] == "GPU"
     for name in ("libs", "resnet20", "bench", "bench-torch", "nccl-1", "threads-gpu"):
         argv, timeout, kw = ran[name]
-        assert argv[:5] == [sys.executable, "-m", "minidl.gpu_check", "--worker", name] and timeout == 77
+        # the stages that need minidl_parallel run from it: minidl never imports minidl_parallel
+        module = "minidl_parallel.gpu_check_workers" if name in ("nccl-1", "threads-gpu") else "minidl.gpu_check"
+        assert argv[:5] == [sys.executable, "-m", module, "--worker", name] and timeout == 77
         assert "MINIDL_DEVICE" not in kw["env"] and "MINIDL_TEST_DEVICE" not in kw["env"]
     for name in ("nccl-collectives", "nccl-dp"):
         argv, _, kw = ran[name]
-        assert argv[:7] == ["/opt/mpi/bin/mpirun", "-n", "2", sys.executable, "-m", "minidl.gpu_check", "--worker"]
+        assert argv[:7] == ["/opt/mpi/bin/mpirun", "-n", "2", sys.executable, "-m", "minidl_parallel.gpu_check_workers",
+                            "--worker"]
         assert argv[7] == name
         assert kw["judge"](0, "") == ("failed", "printed 0 result(s), expected 2", {})
     argv, _, kw = ran["example"]

@@ -16,8 +16,7 @@ It is a linter for the GPU path: it cannot see kernels, streams, memory limits o
 """
 import sys
 
-from . import cuda, random, syncs
-from .functions import resolve as _resolve
+from . import cuda, functions, random, stride_tricks, syncs
 from .names import CUPY_VERSION, StrictNamespace
 from .ndarray import ndarray, pointer_to_array, pointer_to_buffer
 from .syncs import count_host_syncs, host_syncs, uploads
@@ -29,6 +28,17 @@ __all__ = ["install", "uninstall", "cupy_module", "cupyx_module", "ndarray", "co
 _cupy = None
 
 
+def _resolve(name):
+    """Builds ``cupy.<name>``: the submodules here, functions and values in functions.py."""
+    if name == "cuda":
+        return cuda.module()
+    if name == "random":
+        return random.module()
+    if name == "lib":
+        return stride_tricks.lib_module()
+    return functions.resolve(name)
+
+
 def cupy_module():
     """The double's ``cupy`` module object (one per process)."""
     global _cupy
@@ -38,6 +48,9 @@ def cupy_module():
         _cupy.__file__ = __file__
         _cupy.__path__ = []  # a package, so ``import cupy.cuda`` / ``from cupy.cuda import x`` work
     return _cupy
+
+
+functions._namespace["cupy_module"] = cupy_module
 
 
 def cupyx_module():

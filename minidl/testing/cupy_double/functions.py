@@ -13,6 +13,7 @@ import functools
 import numpy
 
 from . import names, syncs
+from . import ndarray as _ndarray_module
 from .ndarray import is_kernel_scalar, ndarray, refuse_host_arrays, unsupported, unwrap, wrap
 
 _SECTION = "cupy"
@@ -141,9 +142,13 @@ def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
     return result
 
 
+# The package's cupy module object, set by the package when it is imported: this module is
+# imported by the package (and by modules it imports), so it cannot import the package back.
+_namespace = {"cupy_module": None}
+
+
 def get_array_module(*args):
-    from . import cupy_module
-    return cupy_module() if any(isinstance(a, ndarray) for a in args) else numpy
+    return _namespace["cupy_module"]() if any(isinstance(a, ndarray) for a in args) else numpy
 
 
 def copyto(dst, src, casting="same_kind", where=None):
@@ -224,8 +229,7 @@ def cupy_ufunc(name):
 def cupy_function_for(numpy_function):
     """What ``__array_function__`` dispatches ``numpy.<f>`` to: the double's ``cupy.<f>``
     (same submodule path), or None where CuPy has none (NumPy then raises TypeError)."""
-    from . import cupy_module
-    module = cupy_module()
+    module = _namespace["cupy_module"]()
     try:
         for part in numpy_function.__module__.split(".")[1:]:
             module = getattr(module, part)
@@ -236,16 +240,10 @@ def cupy_function_for(numpy_function):
 
 
 def resolve(name):
-    """Builds ``cupy.<name>`` for a name the pinned release has."""
-    from . import cuda, random, stride_tricks
+    """Builds the function or value ``cupy.<name>`` for a name the pinned release has (the
+    package resolves the submodules ``cuda``, ``random`` and ``lib`` itself)."""
     if name in _OVERRIDES:
         return _OVERRIDES[name]
-    if name == "cuda":
-        return cuda.module()
-    if name == "random":
-        return random.module()
-    if name == "lib":
-        return stride_tricks.lib_module()
     numpy_value = getattr(numpy, name, None)
     if numpy_value is None:
         if name == "newaxis":
@@ -256,3 +254,7 @@ def resolve(name):
     if isinstance(numpy_value, type) or not callable(numpy_value):
         return numpy_value  # dtypes, iinfo/finfo, constants: CuPy re-exports NumPy's own
     return device_function(numpy_value, name)
+
+
+# ndarray's NumPy protocols dispatch here; ndarray.py cannot import this module (it imports ndarray.py).
+_ndarray_module._DISPATCH.update(ufunc=cupy_ufunc, function_for=cupy_function_for)

@@ -18,6 +18,10 @@ import numpy
 
 from . import names, syncs
 
+# The double's ufuncs and functions, for the NumPy protocols below: functions.py fills this when
+# it is imported (it imports this module, so this module cannot import it).
+_DISPATCH = {}
+
 _SECTION = "cupy.ndarray"
 _PYTHON_SCALARS = (int, float, bool, complex)
 
@@ -463,7 +467,7 @@ class ndarray:
 
     # --- NumPy protocols, as CuPy implements them ---------------------------------------------
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        from .functions import cupy_ufunc
+        cupy_ufunc = _DISPATCH["ufunc"]
         inout = inputs
         if "out" in kwargs:
             out = kwargs["out"]
@@ -484,7 +488,7 @@ class ndarray:
         return func(*inputs, **kwargs)
 
     def __array_function__(self, func, types, args, kwargs):
-        from .functions import cupy_function_for
+        cupy_function_for = _DISPATCH["function_for"]
         cupy_func = cupy_function_for(func)
         if cupy_func is None:
             return NotImplemented
@@ -504,7 +508,7 @@ class ndarray:
         return ufunc(other, self) if reflected else ufunc(self, other)
 
     def _inplace(self, other, name):
-        from .functions import cupy_ufunc
+        cupy_ufunc = _DISPATCH["ufunc"]
         return cupy_ufunc(name)(self, other, out=self)
 
     def __add__(self, o): return self._binary(o, "add")

@@ -9,7 +9,8 @@ import threading
 
 import numpy
 
-_state = {"device_target": None, "seed": None}
+# device_target: None until first asked; chosen: set by set_context or $MINIDL_DEVICE (else defaulted)
+_state = {"device_target": None, "chosen": False, "seed": None}
 _rng_local = threading.local()
 _cupy = None  # the cupy module once imported, False when it is not importable
 _cupy_error = None  # why not, when it is not: shown to the user who asks for the GPU
@@ -58,7 +59,7 @@ def set_context(device_target=None, device_id=None):
         if target == "GPU" and not gpu_available():
             raise RuntimeError(f"set_context: device_target='GPU' needs CuPy and a CUDA device: "
                                f"{gpu_unavailable_reason()}")
-        _state["device_target"] = target
+        _state["device_target"], _state["chosen"] = target, True
     if device_id is not None:
         if get_device_target() != "GPU":
             raise ValueError("set_context: device_id is only meaningful with device_target='GPU'")
@@ -83,6 +84,32 @@ def get_device_target():
             _state["device_target"] = "GPU" if gpu_available() else "CPU"
         target = _state["device_target"]
     return target
+
+
+def device_target_chosen():
+    """Whether the user chose the device target (set_context or $MINIDL_DEVICE), rather than
+    it defaulting to the GPU when one is seen."""
+    if _state["device_target"] is None and os.environ.get("MINIDL_DEVICE"):
+        get_device_target()
+    return _state["chosen"]
+
+
+def prefer_device_target(target):
+    """Makes ``target`` the default device while nothing has fixed it yet; returns the device
+    target in force.
+
+    A launcher-side choice (``minidl_parallel.init("mpi")`` prefers the CPU) must not override
+    the user's (set_context, $MINIDL_DEVICE), nor move the default after it was used: tensors
+    made before would be left on the other device.
+    """
+    target = str(target).upper()
+    if target not in ("CPU", "GPU"):
+        raise ValueError(f"prefer_device_target: target must be 'CPU' or 'GPU', got {target!r}")
+    if _state["device_target"] is None and not device_target_chosen():
+        if target == "GPU" and not gpu_available():
+            target = "CPU"
+        _state["device_target"] = target
+    return get_device_target()
 
 
 def default_xp():

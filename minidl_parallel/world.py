@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 
 import minidl
 from minidl.runtime import get_runtime, set_runtime
@@ -49,6 +50,29 @@ def _default_backend():
         return "local"
     from minidl.backend import get_device_target
     return "nccl" if get_device_target() == "GPU" else "mpi"
+
+
+def _device_follows_backend(name):
+    """The default device follows the backend: CPU for mpi, GPU for nccl.
+
+    The user's choice (set_context, $MINIDL_DEVICE) wins: a GPU job on mpi works, its
+    collectives staged through host memory (comm/mpi.py). nccl moves only device arrays, so a
+    CPU device target there is refused. A GPU default already used before ``init("mpi")``
+    stays (tensors live there), with a warning that says how to get the CPU.
+    """
+    from minidl import backend
+    if name == "mpi":
+        if backend.prefer_device_target("CPU") == "GPU" and not backend.device_target_chosen():
+            warnings.warn(
+                "init('mpi'): the device target had already defaulted to GPU (CuPy sees a GPU) before init, so "
+                "tensors stay on the GPU and every collective is staged through host memory; to train on the CPU "
+                "call minidl.set_context(device_target='CPU') before building the network, or use init('nccl') "
+                "to keep collectives on the GPU", RuntimeWarning, stacklevel=3)
+    elif name == "nccl" and backend.prefer_device_target("GPU") != "GPU":
+        why = ("the device target is CPU (minidl.set_context or $MINIDL_DEVICE)" if backend.device_target_chosen()
+               else f"no GPU can be used: {backend.gpu_unavailable_reason()}")
+        raise RuntimeError(f"init('nccl'): NCCL moves GPU (CuPy) arrays, but {why}; expected device_target='GPU' "
+                           f"(minidl.set_context(device_target='GPU')), or init('mpi') for training on the CPU")
 
 
 def _check_rank_args(rank, world_size):
@@ -84,7 +108,10 @@ def init(backend_name=None, *, rank=None, world_size=None, timeout=None, stall_w
         backend_name: "nccl" (one GPU per process, under mpirun), "mpi" (NumPy arrays over
             mpi4py), "threads" (inside run_threads: the thread's rank; elsewhere a world of
             one), "local" (a world of one), or None: under a launcher (mpirun) nccl when
-            minidl's device target is GPU, else mpi; outside a launcher local.
+            minidl's device target is GPU, else mpi; outside a launcher local. The default
+            device follows the backend: mpi makes it CPU and nccl GPU, unless the user chose
+            one (``minidl.set_context``, ``$MINIDL_DEVICE``): a GPU job on mpi stages its
+            collectives through host memory; nccl with a CPU device target raises.
         rank, world_size: what the caller expects (SINGA's DistOpt passes them): when given,
             a world that differs raises, naming what is missing, instead of training alone.
         timeout: seconds any collective waits for the other ranks before the job ends with a
@@ -113,6 +140,7 @@ def init(backend_name=None, *, rank=None, world_size=None, timeout=None, stall_w
         _set_waits(world.comm, timeout, stall_warning)
         return world.comm
     name = backend_name or _default_backend()
+    _device_follows_backend(name)  # before the communicator: a refusal leaves nothing to release
     comm = create_communicator(name)
     _set_waits(comm, timeout, stall_warning)
     try:

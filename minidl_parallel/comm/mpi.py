@@ -1,4 +1,5 @@
-"""The mpi backend: mpi4py's buffer-based collectives on NumPy arrays (``pip install 'minidl[mpi]'``).
+"""The mpi backend: mpi4py's buffer-based collectives on NumPy arrays (``pip install 'minidl[mpi]'``);
+device arrays are staged through the host.
 
 Buffers go straight to MPI (no pickling). Every collective is the plain blocking MPI call
 (Allreduce, Allgather, Reduce_scatter_block, Bcast, Alltoall, Barrier; objects through
@@ -17,6 +18,13 @@ reducer) as slow as with timeouts off, and 0.995x and 1.008x with the watchdog
 calls polled in ``Communicator._wait_for``. With both settings 0 the calls skip the
 watchdog, and none is started.
 
+Device (CuPy) arrays: mpi4py would hand their pointers to MPI, and the pip Open MPI is not
+CUDA-aware (it would read device memory as host memory, or crash). So every primitive stages
+them through the host: a device buffer is copied to a NumPy array, the collective runs on that,
+and the result is copied back (in place) or uploaded (new arrays). This is what a GPU job on
+the mpi backend gets (``set_context(device_target="GPU")`` with ``init("mpi")``): correct, and
+two copies per collective slower than the nccl backend, which keeps them on the GPU.
+
 Who has not arrived is found only when a wait is already long, so the common path pays
 nothing: the waiting rank asks every peer over a private duplicate of COMM_WORLD (the
 :class:`Watch`), and a peer's watchdog answers (what collective it is in, or that it runs
@@ -25,6 +33,7 @@ not answer within a short window is gone, or stalled inside MPI or in C code tha
 the GIL.
 """
 import atexit
+import contextlib
 import pickle
 import sys
 import threading
@@ -33,11 +42,33 @@ import traceback
 
 import numpy
 
-from .base import CallInfo, Communicator, user_frame
+from .base import CallInfo, Communicator, _xp, user_frame
 
 __all__ = ["MpiCommunicator", "Watch", "Watchdog", "import_mpi", "watch", "stop_watchdog"]
 
 _QUERY, _REPLY = 0x51D, 0x51E  # tags of the watch's questions and answers
+
+
+@contextlib.contextmanager
+def _on_host(buf):
+    """buf itself when it is a NumPy array; for a device array a host copy, written back
+    into buf when the body succeeds (see "Device (CuPy) arrays" above)."""
+    if isinstance(buf, numpy.ndarray):
+        yield buf
+        return
+    host = buf.get()
+    yield host
+    buf.set(host)
+
+
+def _host(x):
+    """x as a NumPy array to hand to MPI (a copy when x is on the device)."""
+    return x if isinstance(x, numpy.ndarray) else x.get()
+
+
+def _like(x, host):
+    """A result computed on the host, on x's side: host, or uploaded when x is on the device."""
+    return host if isinstance(x, numpy.ndarray) else _xp(x).asarray(host)
 
 
 def import_mpi():
@@ -273,46 +304,59 @@ class MpiCommunicator(Communicator):
         self._wait_for(request.Test, call)
 
     def _allreduce(self, buf, op):
-        if self._polled and self._bounded():
-            self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._ops[op]))
-        else:
-            self._call_blocking(self._call, self.comm.Allreduce, self._MPI.IN_PLACE, buf, op=self._ops[op])
+        with _on_host(buf) as buf:
+            if self._polled and self._bounded():
+                self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._ops[op]))
+            else:
+                self._call_blocking(self._call, self.comm.Allreduce, self._MPI.IN_PLACE, buf, op=self._ops[op])
 
     def _iallreduce(self, buf, op):
-        request, call = self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._ops[op]), self._call
-        if self._polled and self._bounded():
-            return lambda: self._wait(request, call)
-        return lambda: self._call_blocking(call, request.Wait)
+        host = _host(buf)
+        request, call = self.comm.Iallreduce(self._MPI.IN_PLACE, host, op=self._ops[op]), self._call
+        polled = self._polled and self._bounded()
+
+        def wait():
+            if polled:
+                self._wait(request, call)
+            else:
+                self._call_blocking(call, request.Wait)
+            if host is not buf:
+                buf.set(host)
+        return wait
 
     def _allgather(self, x):
+        host = _host(x)
         out = numpy.empty((self.size,) + x.shape, dtype=x.dtype)
         if self._polled and self._bounded():
-            self._wait(self.comm.Iallgather(x, out))
+            self._wait(self.comm.Iallgather(host, out))
         else:
-            self._call_blocking(self._call, self.comm.Allgather, x, out)
-        return out
+            self._call_blocking(self._call, self.comm.Allgather, host, out)
+        return _like(x, out)
 
     def _reduce_scatter(self, x, op):
+        host = _host(x)
         out = numpy.empty(x.shape[1:], dtype=x.dtype)
         if self._polled and self._bounded():
-            self._wait(self.comm.Ireduce_scatter_block(x, out, op=self._ops[op]))
+            self._wait(self.comm.Ireduce_scatter_block(host, out, op=self._ops[op]))
         else:
-            self._call_blocking(self._call, self.comm.Reduce_scatter_block, x, out, op=self._ops[op])
-        return out
+            self._call_blocking(self._call, self.comm.Reduce_scatter_block, host, out, op=self._ops[op])
+        return _like(x, out)
 
     def _bcast(self, buf, root):
-        if self._polled and self._bounded():
-            self._wait(self.comm.Ibcast(buf, root=root))
-        else:
-            self._call_blocking(self._call, self.comm.Bcast, buf, root=root)
+        with _on_host(buf) as buf:
+            if self._polled and self._bounded():
+                self._wait(self.comm.Ibcast(buf, root=root))
+            else:
+                self._call_blocking(self._call, self.comm.Bcast, buf, root=root)
 
     def _alltoall(self, x):
-        out = numpy.empty_like(x)
+        host = _host(x)
+        out = numpy.empty_like(host)
         if self._polled and self._bounded():
-            self._wait(self.comm.Ialltoall(x, out))
+            self._wait(self.comm.Ialltoall(host, out))
         else:
-            self._call_blocking(self._call, self.comm.Alltoall, x, out)
-        return out
+            self._call_blocking(self._call, self.comm.Alltoall, host, out)
+        return _like(x, out)
 
     def _barrier(self):
         if self._polled and self._bounded():

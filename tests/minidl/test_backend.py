@@ -105,3 +105,33 @@ def test_allocator_tuning_is_on_by_default_and_can_be_turned_off(setting, expect
     code = "import minidl, minidl._allocator as a; print(a.applied)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == expected, out.stderr
+
+
+@pytest.fixture
+def fresh_device_state(monkeypatch):
+    """The device target as in a fresh process (nothing chosen, nothing asked), GPU visible
+    through the device double; restored afterwards."""
+    from minidl.testing import cupy_double
+    monkeypatch.delenv("MINIDL_DEVICE", raising=False)
+    monkeypatch.setattr(backend, "_cupy", cupy_double.cupy_module())
+    monkeypatch.setitem(backend._state, "device_target", None)
+    monkeypatch.setitem(backend._state, "chosen", False)
+
+
+def test_a_preferred_device_applies_only_while_nothing_fixed_the_target(fresh_device_state, monkeypatch):
+    assert backend.prefer_device_target("cpu") == "CPU"  # nothing chosen or used: the preference wins
+    assert not backend.device_target_chosen()
+    assert backend.prefer_device_target("GPU") == "CPU"  # now used: a later preference cannot move it
+    monkeypatch.setitem(backend._state, "device_target", None)
+    assert backend.get_device_target() == "GPU"  # the default, used before any preference...
+    assert backend.prefer_device_target("CPU") == "GPU"  # ...stays
+    monkeypatch.setitem(backend._state, "device_target", None)
+    monkeypatch.setenv("MINIDL_DEVICE", "gpu")  # the user's choice beats the preference
+    assert backend.prefer_device_target("CPU") == "GPU" and backend.device_target_chosen()
+    with pytest.raises(ValueError, match="target must be 'CPU' or 'GPU', got 'TPU'"):
+        backend.prefer_device_target("tpu")
+
+
+def test_set_context_counts_as_a_choice(fresh_device_state):
+    minidl.set_context(device_target="CPU")
+    assert backend.device_target_chosen() and backend.prefer_device_target("GPU") == "CPU"

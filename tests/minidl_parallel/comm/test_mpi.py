@@ -32,7 +32,9 @@ def mpirun(n, script, timeout=60, **env):
     reason = _mpi_missing()
     if reason:
         pytest.skip(reason)
-    full_env = {k: v for k, v in os.environ.items() if k != "MINIDL_DIST_DEBUG"}
+    # The workers are fresh processes: the device-pinned suite's double is not installed there,
+    # so its MINIDL_DEVICE=GPU is not passed on (a worker that installs the double chooses itself).
+    full_env = {k: v for k, v in os.environ.items() if k not in ("MINIDL_DIST_DEBUG", "MINIDL_DEVICE")}
     full_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                     PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
     cmd = [_mpirun_path(), "--oversubscribe", "-n", str(n), sys.executable, str(script)]
@@ -68,3 +70,47 @@ def test_a_rank_that_raises_ends_the_job_nonzero_within_30s():
     assert "uncaught exception on rank 1 of 4" in proc.stderr
     assert "ValueError: rank 1 fails on purpose" in proc.stderr
     assert "the collective returned" not in proc.stdout
+
+
+# The device follows the backend (issue 16, bug 5). The worker installs the strict CuPy double
+# itself, so a "GPU" is visible to every rank, as on a GPU machine with the pip Open MPI (not
+# CUDA-aware).
+
+def _rank_lines(proc, n):
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank"))
+    assert proc.returncode == 0 and len(lines) >= n, proc.stdout + proc.stderr
+    return lines
+
+
+def test_a_gpu_job_on_the_mpi_backend_stages_device_arrays_through_the_host():
+    """Before: mpi4py handed device pointers to MPI and the job crashed."""
+    proc = mpirun(2, SCRIPTS / "mpi_backend_on_device.py", 120)
+    assert _rank_lines(proc, 2) == [f"rank {r}: target GPU, warnings 0, failures []" for r in range(2)]
+
+
+def test_the_mpi_backend_makes_the_default_device_the_cpu():
+    proc = mpirun(2, SCRIPTS / "mpi_backend_on_device.py", 120, MODE="default")
+    assert _rank_lines(proc, 2) == [f"rank {r}: target CPU, warnings 0, failures []" for r in range(2)]
+
+
+def test_a_gpu_default_used_before_init_mpi_stays_with_a_warning():
+    proc = mpirun(2, SCRIPTS / "mpi_backend_on_device.py", 120, MODE="used-default")
+    lines = _rank_lines(proc, 4)
+    assert [line for line in lines if "warning:" not in line] == \
+        [f"rank {r}: target GPU, warnings 1, failures []" for r in range(2)]
+    assert all("set_context(device_target='CPU') before building the network" in line
+               for line in lines if "warning:" in line)
+
+
+def test_nccl_with_a_cpu_device_target_is_refused_before_any_communicator(monkeypatch):
+    import minidl
+    import minidl_parallel as mp
+    from minidl import backend
+    monkeypatch.setitem(backend._state, "device_target", backend._state["device_target"])
+    monkeypatch.setitem(backend._state, "chosen", backend._state["chosen"])
+    minidl.set_context(device_target="CPU")
+    with pytest.raises(RuntimeError, match=r"init\('nccl'\): NCCL moves GPU \(CuPy\) arrays, but the device target "
+                                           r"is CPU .*expected device_target='GPU'"):
+        mp.init("nccl")
+    with pytest.raises(RuntimeError, match="call minidl_parallel.init"):
+        mp.get_communicator()  # no world was joined

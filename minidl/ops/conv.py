@@ -27,8 +27,11 @@ GEMM of a chunk then stay in cache,
 which halved the time of the 16- and 32-channel convs against one whole-batch im2col. The
 chunks run on ``minidl.get_num_threads()`` threads, each with its own buffers and a
 single-threaded BLAS (minidl/_intra_op.py), so the copies use every core too. No column
-matrix is saved: backward keeps x and rebuilds what it needs. On a GPU one chunk holds the
-whole batch.
+matrix is saved: backward keeps x and rebuilds what it needs. On a GPU the chunks run on
+one thread and are bounded for memory, not cache: a chunk's column matrix stays under
+``im2col.gpu_im2col_bytes()`` (256 MiB, or $MINIDL_GPU_IM2COL_BYTES), where a whole-batch one
+could exhaust the device's memory; and every column matrix there is a plain contiguous
+buffer (no padded row pitch), which CuPy's matmul would otherwise copy before the GEMM.
 
 Backward (stride 1). gx is gy correlated with the flipped kernel: the forward path again.
 gw comes from the same columns of gy (offset (kh-1-i, kw-1-j) of gy meets offset (i, j)

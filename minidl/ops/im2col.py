@@ -1,8 +1,11 @@
 """The window machinery of Conv2D (and the pooling ops): argument parsing, output geometry,
-im2col views in cache-sized chunks, the GEMM correlation, and the stride-phase rewrite.
+im2col views in cache-sized (CPU) or memory-bounded (GPU) chunks, the GEMM correlation, and
+the stride-phase rewrite.
 
 The layout and the reasons for it are described in conv.py's docstring.
 """
+import os
+
 import numpy
 
 from .. import _intra_op as intra_op
@@ -12,6 +15,35 @@ _PAD_MODES = ("valid", "same", "pad")
 # 4 MB per thread overfills an 8 MB last-level cache shared by 2 cores; 2 MB each ran the
 # ResNet-20 step 1.01-1.09x faster over five paired runs (benchmarks/bench_step_ab.py, README).
 _CACHE_BYTES = 4 << 20
+# Most bytes of one chunk's column matrix on the GPU, unless $MINIDL_GPU_IM2COL_BYTES says
+# otherwise (gpu_im2col_bytes). This is for memory safety, not speed: a whole-batch column
+# matrix is C*kh*kw*OH*Q*N*itemsize bytes, 1.9 GB for one 64-channel 56x56 3x3 ResNet-50 conv
+# at batch 256 in float32, with output and gradient buffers of the same width beside it.
+# 256 MiB holds 36 of those images' columns: a chunk's GEMM (64, 576) @ (576, 36*56*57) is
+# still 8.5 GFLOP, which should keep a GPU busy; which chunk size is fastest there has not
+# been measured yet (issue 16).
+GPU_IM2COL_BYTES = 256 << 20
+_GPU_IM2COL_ENV = "MINIDL_GPU_IM2COL_BYTES"
+
+
+def gpu_im2col_bytes():
+    """The byte limit of one chunk's im2col column matrix on the GPU.
+
+    ``$MINIDL_GPU_IM2COL_BYTES`` (a positive int, read at every convolution, so a test or a
+    launcher may set it at any time), else ``GPU_IM2COL_BYTES`` (256 MiB). A chunk holds at
+    least one image, so one image's columns larger than the limit still go in one chunk.
+    """
+    env = os.environ.get(_GPU_IM2COL_ENV)
+    if not env:
+        return GPU_IM2COL_BYTES
+    try:
+        limit = int(env)
+    except ValueError:
+        limit = 0
+    if limit < 1:
+        raise ValueError(f"{_GPU_IM2COL_ENV} must be a positive int (bytes of one chunk's im2col columns "
+                         f"on the GPU, default {GPU_IM2COL_BYTES}), got {env!r}")
+    return limit
 
 
 def _as_strided(xp, a, shape, strides):
@@ -60,26 +92,33 @@ def _window_axis(op, size, k, s, d, mode, pad_lo, pad_hi, what):
 
 
 def _images_per_chunk(xp, n, column_bytes_per_image, threads=1):
-    """At most how many images share one im2col + GEMM step on the CPU, with ``threads`` such
-    steps running at once (see _Windows.chunking)."""
-    return max(1, min(n, _CACHE_BYTES // threads // column_bytes_per_image))
+    """At most how many images share one im2col + GEMM step, with ``threads`` such steps
+    running at once (see _Windows.chunking): on the CPU their columns fit the cache, on the
+    GPU one chunk's columns stay under ``gpu_im2col_bytes()``. At least one image."""
+    budget = _CACHE_BYTES // threads if xp is numpy else gpu_im2col_bytes()
+    return max(1, min(n, budget // column_bytes_per_image))
 
 
-def _row_pitch(m, itemsize):
-    """Row pitch (elements) for a column matrix of m columns: an odd multiple of 64 bytes.
+def _row_pitch(xp, m, itemsize):
+    """Row pitch (elements) for a column matrix of m columns: on the CPU an odd multiple of
+    64 bytes, on the GPU m itself.
 
-    A pitch that is a multiple of a large power of two maps the rows that BLAS packs
-    together onto the same cache sets: (16, 144) @ (144, 6144) measured 46 GFLOP/s on one
-    core with pitch 6144 and 75 with pitch 6160.
+    On the CPU, a pitch that is a multiple of a large power of two maps the rows that BLAS
+    packs together onto the same cache sets: (16, 144) @ (144, 6144) measured 46 GFLOP/s on
+    one core with pitch 6144 and 75 with pitch 6160. On the GPU there are no such cache sets
+    to dodge, and a padded pitch makes a non-contiguous matrix, which CuPy's matmul copies
+    before handing it to cuBLAS: there every column matrix is a plain contiguous buffer.
     """
+    if xp is not numpy:
+        return m
     unit = max(1, 64 // itemsize)
     units = -(-m // unit)
     return (units + 1 - units % 2) * unit
 
 
-def _rows(buf, rows, m):
-    """A (rows, m) view of buf with the row pitch ``_row_pitch(m)``."""
-    pitch = _row_pitch(m, buf.itemsize)
+def _rows(xp, buf, rows, m):
+    """A (rows, m) view of buf with the row pitch ``_row_pitch(xp, m)`` (contiguous on the GPU)."""
+    pitch = _row_pitch(xp, m, buf.itemsize)
     return buf[:rows * pitch].reshape(rows, pitch)[:, :m]
 
 
@@ -118,11 +157,14 @@ class _Windows:
 
     def chunking(self, xp, dtype):
         """(chunks of images, threads): the chunks that one im2col + GEMM step each takes, and
-        how many threads run them, chunk i on thread i % threads (see minidl/_intra_op.py)."""
-        if xp is not numpy:
-            return [(0, self.n)], 1
+        how many threads run them, chunk i on thread i % threads (see minidl/_intra_op.py).
+
+        On the GPU one thread (the device runs each GEMM on all its cores) and chunks whose
+        column matrix stays under ``gpu_im2col_bytes()``: a whole-batch one can exhaust the
+        device's memory.
+        """
         per_image = self.k * self.oh * self.q * dtype.itemsize
-        threads = intra_op.get_num_threads()
+        threads = intra_op.get_num_threads() if xp is numpy else 1
         chunks = intra_op.split(self.n, _images_per_chunk(xp, self.n, per_image, threads), threads)
         return chunks, min(threads, len(chunks))
 
@@ -143,7 +185,7 @@ class _Windows:
             else:
                 xpad = xp.zeros(shape, dtype=dtype)
         m = self.oh * self.q * nb
-        return xpad, xp.empty(self.k * _row_pitch(m, dtype.itemsize), dtype=dtype)
+        return xpad, xp.empty(self.k * _row_pitch(xp, m, dtype.itemsize), dtype=dtype)
 
     def columns(self, xp, x, n0, n1, xpad, buf):
         """Columns of images n0:n1, channel-major: (C*kh*kw, (n1-n0)*OH*Q), copied into buf."""
@@ -166,7 +208,7 @@ class _Windows:
         s_n, s_c, s_h, s_w = part.strides
         n, it = n1 - n0, buf.itemsize
         m = n * self.oh * self.q
-        col = _rows(buf, self.k, m)
+        col = _rows(xp, buf, self.k, m)
         ld = col.strides[0]
         # (c, i, j, n, oh, q) over col's rows
         grid = (kh * kw * ld, kw * ld, ld, self.oh * self.q * it, self.q * it, it)
@@ -229,7 +271,7 @@ def _correlate(xp, x, w, win, group, times=None):
 
     def run(t):
         xpad, cols = win.buffers(xp, x.dtype, nb)
-        pitch = _row_pitch(per_chunk, x.itemsize)
+        pitch = _row_pitch(xp, per_chunk, x.itemsize)
         outs = xp.empty(o * pitch, dtype=x.dtype)
         acc = tbuf = None
         if times is not None:
@@ -241,14 +283,17 @@ def _correlate(xp, x, w, win, group, times=None):
             col = win.columns(xp, x, n0, n1, xpad, cols)
             m = col.shape[1]
             col = col.reshape(group, -1, m)
-            out = _rows(outs, o, m)
+            out = _rows(xp, outs, o, m)
             xp.matmul(w3, col, out=out.reshape(group, o // group, m))
             # One transposing copy to NCHW, which also drops the garbage columns of flat rows.
             y[n0:n1] = out.reshape(o, n1 - n0, oh, q)[..., :ow].transpose(1, 0, 2, 3)
             if times is not None:
-                # The full chunk's pitch, not _row_pitch(m): a shorter last chunk must find its
-                # garbage columns where the zeros are (another pitch would put old values there).
-                tc = tbuf[:ct * pitch].reshape(ct, pitch)[:, :m].reshape(ct, n1 - n0, oh, q)
+                # On the CPU the full chunk's pitch, not _row_pitch(m): a shorter last chunk must find
+                # its garbage columns where the zeros are (another pitch would put old values there).
+                # On the GPU the pitch is m, a multiple of q, so every chunk's garbage columns lie at
+                # the buffer positions ow..q-1 modulo q, which no chunk writes: they stay zero.
+                tp = pitch if xp is numpy else m
+                tc = tbuf[:ct * tp].reshape(ct, tp)[:, :m].reshape(ct, n1 - n0, oh, q)
                 tc[..., :ow] = times[n0:n1].transpose(1, 0, 2, 3)
                 # (K, m) @ (m, C): BLAS measured this orientation ~1.7x faster than (C, m) @ (m, K).
                 acc += xp.matmul(col, tc.reshape(group, ct // group, m).swapaxes(-1, -2))

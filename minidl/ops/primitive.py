@@ -14,9 +14,17 @@ serves both.
 ``shard(in_strategy, out_strategy)`` only stores the strategy here; minidl_parallel reads
 it. A call asks the active runtime (minidl/runtime.py) to run the op: the local runtime
 calls ``apply``; a parallel one may redistribute the inputs first.
+
+Inputs on two devices (a NumPy array or a CPU tensor given to a network whose parameters are
+on the GPU) fail inside the op body with CuPy's bare "Unsupported type" TypeError; ``apply``
+turns that into one that names the op, which inputs are where, and the fix
+(``_device_mix_error``).
 """
+import inspect
+
 import numpy
 
+from .. import backend
 from ..runtime import LOCAL, get_runtime
 from ..tensor import Tensor, is_grad_enabled
 
@@ -66,7 +74,17 @@ class Primitive:
         node = object.__new__(type(self))
         node.__dict__.update(self.__dict__)
         arrays = [a.data if isinstance(a, Tensor) else a for a in args]
-        out = node.forward(*arrays)
+        try:
+            out = node.forward(*arrays)
+        except (TypeError, ValueError) as exc:
+            # Explained here, after the fact, rather than checked before every call: this costs
+            # nothing while ops succeed, and host values an op does accept on the GPU (scalars,
+            # NumPy index arrays it uploads) keep working. CuPy refuses host arrays with a
+            # TypeError in kernels, a ValueError in assignments (``a[...] = host``).
+            error = None if _raised_by_minidl(exc) else _device_mix_error(self, args, exc)
+            if error is None:
+                raise
+            raise error from exc
         if isinstance(out, numpy.generic):
             out = numpy.asarray(out)  # 0-d numpy arithmetic returns scalars; tensors hold arrays
         # Integer and bool outputs (comparisons, argmax-like ops) carry no gradient.
@@ -93,6 +111,50 @@ class Primitive:
         body = ", ".join(f"{k}={v!r}" for k, v in attrs.items())
         strategy = f".shard({self.in_strategy})" if self.in_strategy is not None else ""
         return f"{self.name}({body}){strategy}"
+
+
+def _raised_by_minidl(exc):
+    """Whether minidl's own code raised exc (an op's validation, whose message already says what
+    is wrong), rather than the array library it called (minidl.testing stands in for CuPy)."""
+    tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "")
+    return module.startswith("minidl.") and not module.startswith("minidl.testing.")
+
+
+def _device_mix_error(prim, args, exc):
+    """The TypeError for an op that failed (with ``exc``) on inputs from both the host (NumPy)
+    and the GPU (CuPy), naming each such input; None when the inputs are not so mixed."""
+    host, device = [], []
+    for i, a in enumerate(args):
+        data = a.data if isinstance(a, Tensor) else a
+        if isinstance(data, numpy.ndarray):
+            host.append((i, "a Tensor" if isinstance(a, Tensor) else "a NumPy array"))
+        elif hasattr(data, "shape") and backend.get_array_module(data) is not numpy:
+            device.append((i, "a Tensor" if isinstance(a, Tensor) else "a CuPy array"))
+    if not host or not device:
+        return None
+    try:  # the names of forward's parameters, to say "x" and "w" rather than input 0 and 1
+        params = [p.name for p in inspect.signature(prim.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+
+    def describe(entries):
+        return ", ".join(f"{params[i]} (input {i}, {what})" if i < len(params) else f"input {i} ({what})"
+                         for i, what in entries)
+
+    if backend.get_device_target() == "GPU":
+        fix = ("wrap host data as Tensor(a): with device_target='GPU' (the current one), Tensor copies "
+               "a NumPy array or a CPU tensor to the GPU")
+    else:
+        fix = ("the device target is CPU: bring GPU tensors back with Tensor(t.asnumpy()), or set "
+               "minidl.set_context(device_target='GPU') and make every tensor with Tensor(a), which "
+               "copies a NumPy array or a CPU tensor to the current device")
+    return TypeError(f"{prim.name}: inputs on two devices: on the host (NumPy): {describe(host)}; "
+                     f"on the GPU (CuPy): {describe(device)}. An op's array inputs must all be on one "
+                     f"device; {fix}. (The op failed with {type(exc).__name__}: {exc})")
 
 
 def _check_strategy(op, arg, strategy, expected):

@@ -34,6 +34,11 @@ A parameter whose gradient is None (not reached by the loss) counts as zeros: it
 bucket is zero-filled, so every rank still runs the same collectives, and the returned
 gradient is the reduction of the other ranks' gradients (zeros if none had one).
 
+Compression (``compression=Compression.fp16`` / ``bf16``, minidl_parallel/compression.py) and
+Horovod's ``gradient_predivide_factor``: buckets travel in the 16-bit type, divided by f before
+the sum and by degree / f after; ``overflowed()`` tells whether the last such reduction had an
+inf or NaN (a device flag, read only when asked).
+
 Agreement check: the first reduction on a communicator (and ``broadcast_parameters``, every
 call) first compares every rank's parameter names, shapes and dtypes (and ``mean``/``degree``)
 with one small ``allgather_object`` of a digest (minidl_parallel/agreement.py). Ranks that
@@ -63,6 +68,9 @@ from minidl.tensor import Tensor
 
 from .agreement import describe_ranks, disagreement, first_difference
 from .collectives import resolve_communicator
+from .compression import Compression
+from .tensor_parallel.counter import record
+from .tensor_parallel.plan import comm_bytes
 
 _WHO = "DistributedGradReducer"
 
@@ -76,6 +84,7 @@ class _Bucket:
         self.offsets = []
         self.size = 0
         self.buffer = None
+        self.wire = None  # the buffer on the wire when compressed (else the buffer itself)
         self.request = None
 
 
@@ -91,6 +100,13 @@ class DistributedGradReducer:
         comm: the Communicator; None uses the context's world, looked up when first used.
         parameter_broadcast: tells ``Model`` to call :meth:`broadcast_parameters` at the start
             of training.
+        compression: ``Compression.none`` (default), ``Compression.fp16`` or
+            ``Compression.bf16`` (or their names): the type buckets travel in
+            (minidl_parallel/compression.py); the returned gradients have the parameters' dtype.
+        gradient_predivide_factor: Horovod's f, with ``mean`` only: gradients are divided by f
+            before the sum and by degree / f after it (f = degree divides everything first,
+            which keeps fp16 sums of many ranks from overflowing). Default 1.0; without it and
+            without compression the 1/degree is folded into the packing copy (equal up to rounding).
 
     Example:
         >>> reducer = DistributedGradReducer(net.trainable_params(), mean=True)
@@ -101,7 +117,7 @@ class DistributedGradReducer:
     collective = True
 
     def __init__(self, parameters, mean=True, degree=None, fusion_bytes=25 * 1024 * 1024, comm=None,
-                 parameter_broadcast=False):
+                 parameter_broadcast=False, compression=None, gradient_predivide_factor=1.0):
         self.parameters = tuple(parameters)
         for i, p in enumerate(self.parameters):
             if not hasattr(p, "shape") or not hasattr(p, "dtype"):
@@ -114,12 +130,24 @@ class DistributedGradReducer:
             raise ValueError(f"{_WHO}: fusion_bytes must be a positive int, got {fusion_bytes!r}")
         if not isinstance(parameter_broadcast, bool):
             raise TypeError(f"{_WHO}: parameter_broadcast must be a bool, got {parameter_broadcast!r}")
+        if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)) \
+                or not gradient_predivide_factor > 0 or gradient_predivide_factor == float("inf"):
+            raise ValueError(f"{_WHO}: gradient_predivide_factor must be a finite number > 0, got "
+                             f"{gradient_predivide_factor!r}")
+        if gradient_predivide_factor != 1.0 and not mean:
+            raise ValueError(f"{_WHO}: gradient_predivide_factor={gradient_predivide_factor} divides an average; "
+                             f"it needs mean=True (Horovod allows it with op=Average only)")
+        self.compression = Compression.resolve(compression, _WHO)
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.parameter_broadcast = parameter_broadcast
         self.mean = mean
         self._degree = degree
         self.fusion_bytes = fusion_bytes
         self._comm = comm if comm is None else resolve_communicator(_WHO, comm)
         self.buckets = self._plan()
+        for bucket in self.buckets:  # an integer bucket with fp16 raises here, on every rank
+            bucket.wire_dtype = self.compression.wire_dtype(bucket.dtype, _WHO)
+        self._finite = None  # per step with compression: whether every reduced value was finite
         self._where = {}
         for b, bucket in enumerate(self.buckets):
             for i, off in zip(bucket.indices, bucket.offsets):
@@ -206,11 +234,14 @@ class DistributedGradReducer:
             if i not in state["grads"]:
                 self.ready(i, None)
         out = [None] * len(self.parameters)
+        finite = []
         for bucket in self.buckets:
             if bucket.request is not None:
                 bucket.request.wait()
                 bucket.request = None
             buf = bucket.buffer
+            if self._rescales():
+                finite.append(self._unpack(bucket))
             for i, off in zip(bucket.indices, bucket.offsets):
                 p = self.parameters[i]
                 n = _numel(p.shape)
@@ -219,9 +250,35 @@ class DistributedGradReducer:
                 if given is not None and given.dtype != g.dtype:
                     g = g.astype(given.dtype)
                 out[i] = Tensor(g)
-            bucket.buffer = None  # the returned gradients are views of it
+            bucket.buffer = bucket.wire = None  # the returned gradients are views of the buffer
         self._pending = None
+        if finite:
+            xp = get_array_module(finite[0])
+            self._finite = xp.stack(finite).all() if len(finite) > 1 else finite[0]
         return tuple(out)
+
+    def overflowed(self):
+        """Whether the last reduction with compression (or a predivide factor) gave an inf or
+        NaN: a 16-bit sum out of range, or a non-finite gradient on some rank. Computed on the
+        device; reading it here is a host synchronisation on the GPU. False without such a step.
+        """
+        return self._finite is not None and not bool(self._finite)
+
+    def _rescales(self):
+        return self.compression is not Compression.none or self.gradient_predivide_factor != 1.0
+
+    def _unpack(self, bucket):
+        """Decompresses a reduced bucket into its buffer and divides by degree / f; returns the
+        device flag "every reduced value is finite"."""
+        xp = get_array_module(bucket.buffer)
+        finite = xp.isfinite(bucket.wire).all()
+        self.compression.decompress(xp, bucket.wire, bucket.buffer)
+        bucket.wire = None
+        if self.mean:
+            post = self.gradient_predivide_factor / self.degree
+            if post != 1.0:
+                bucket.buffer *= bucket.dtype.type(post)
+        return finite
 
     def broadcast_parameters(self, tensors, root=0):
         """Overwrites every tensor's data with ``root``'s, in fused buffers; returns the count of broadcasts.
@@ -326,6 +383,7 @@ class DistributedGradReducer:
         if self._pending is not None:
             raise RuntimeError(f"{_WHO}: a reduction is already in flight; call finish() first")
         self.agree_on_parameters()
+        self._finite = None
         if self._joined is not None and self._vote_before_reducing:
             self._vote(self.comm, True)
         self._pending = {"grads": {}, "missing": [len(b.indices) for b in self.buckets], "next": 0}
@@ -344,8 +402,13 @@ class DistributedGradReducer:
         # them out and keeps them valid after the next step.
         buf = bucket.buffer = xp.empty(bucket.size, dtype=bucket.dtype)
         # The mean's 1/degree is folded into the packing copy, which happens anyway, rather
-        # than being a second pass over the reduced buffer.
-        scale = bucket.dtype.type(1.0 / self.degree) if self.mean and self.degree != 1 else None
+        # than being a second pass over the reduced buffer. With compression or a predivide
+        # factor the packing divides by f only, and _unpack by degree / f (Horovod's order).
+        if self._rescales():
+            f = self.gradient_predivide_factor
+            scale = bucket.dtype.type(1.0 / f) if self.mean and f != 1.0 else None
+        else:
+            scale = bucket.dtype.type(1.0 / self.degree) if self.mean and self.degree != 1 else None
         for i, off in zip(bucket.indices, bucket.offsets):
             n = _numel(self.parameters[i].shape)
             g = grads[i]
@@ -358,11 +421,14 @@ class DistributedGradReducer:
         # Inside a join block every bucket takes the blocking all-reduce: a rank shadowing a step
         # cannot know whether its peers overlap (iallreduce_) or not, and MPI never matches a
         # blocking collective with a non-blocking one.
+        wire = bucket.wire = self.compression.compress(xp, buf, _WHO)
+        comm = self.comm
+        record("allreduce", comm.size, comm_bytes("allreduce", wire.nbytes, comm.size), phase="gradients")
         if self._blocking or self._joined is not None:
-            self.comm.allreduce_(buf, "sum")
+            comm.allreduce_(wire, "sum")
             bucket.request = None
         else:
-            bucket.request = self.comm.iallreduce_(buf, "sum")
+            bucket.request = comm.iallreduce_(wire, "sum")
 
 
 def _describe_tensors(tensors):

@@ -61,6 +61,35 @@ def _on_host(buf):
     buf.set(host)
 
 
+# MPI has no bfloat16 (ml_dtypes' type, for Compression.bf16): such buffers travel as their raw
+# 16-bit words, and reductions on them use MPI operations defined here, which compute in float32
+# and round each result to bfloat16, as MPI's own float16 sum does for halves.
+_USER_OPS = {}
+
+
+def _is_bfloat16(a):
+    return a.dtype.name == "bfloat16"
+
+
+def _words(a):
+    """a as MPI can take it: bfloat16 as its raw uint16 words, everything else as it is."""
+    return a.view(numpy.uint16) if _is_bfloat16(a) else a
+
+
+def _bfloat16_op(MPI, op):
+    """The MPI operation ``op`` on buffers of bfloat16 words (made once per process)."""
+    if op not in _USER_OPS:
+        reduce = {"sum": numpy.add, "max": numpy.maximum, "min": numpy.minimum, "prod": numpy.multiply}[op]
+
+        def apply(inbuf, inoutbuf, datatype):
+            import ml_dtypes
+            a = numpy.frombuffer(inbuf, dtype=ml_dtypes.bfloat16)
+            b = numpy.frombuffer(inoutbuf, dtype=ml_dtypes.bfloat16)
+            b[...] = reduce(a.astype(numpy.float32), b.astype(numpy.float32)).astype(ml_dtypes.bfloat16)
+        _USER_OPS[op] = MPI.Op.Create(apply, commute=True)
+    return _USER_OPS[op]
+
+
 def _host(x):
     """x as a NumPy array to hand to MPI (a copy when x is on the device)."""
     return x if isinstance(x, numpy.ndarray) else x.get()
@@ -284,6 +313,9 @@ class MpiCommunicator(Communicator):
         group.Free()
         world_group.Free()
 
+    def _op(self, buf, op):
+        return _bfloat16_op(self._MPI, op) if _is_bfloat16(buf) else self._ops[op]
+
     def _bounded(self):
         return bool(self.timeout or self.stall_warning) and self.size > 1
 
@@ -306,13 +338,15 @@ class MpiCommunicator(Communicator):
     def _allreduce(self, buf, op):
         with _on_host(buf) as buf:
             if self._polled and self._bounded():
-                self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._ops[op]))
+                self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, _words(buf), op=self._op(buf, op)))
             else:
-                self._call_blocking(self._call, self.comm.Allreduce, self._MPI.IN_PLACE, buf, op=self._ops[op])
+                self._call_blocking(self._call, self.comm.Allreduce, self._MPI.IN_PLACE, _words(buf),
+                                    op=self._op(buf, op))
 
     def _iallreduce(self, buf, op):
         host = _host(buf)
-        request, call = self.comm.Iallreduce(self._MPI.IN_PLACE, host, op=self._ops[op]), self._call
+        request = self.comm.Iallreduce(self._MPI.IN_PLACE, _words(host), op=self._op(host, op))
+        call = self._call
         polled = self._polled and self._bounded()
 
         def wait():
@@ -328,34 +362,35 @@ class MpiCommunicator(Communicator):
         host = _host(x)
         out = numpy.empty((self.size,) + x.shape, dtype=x.dtype)
         if self._polled and self._bounded():
-            self._wait(self.comm.Iallgather(host, out))
+            self._wait(self.comm.Iallgather(_words(host), _words(out)))
         else:
-            self._call_blocking(self._call, self.comm.Allgather, host, out)
+            self._call_blocking(self._call, self.comm.Allgather, _words(host), _words(out))
         return _like(x, out)
 
     def _reduce_scatter(self, x, op):
         host = _host(x)
         out = numpy.empty(x.shape[1:], dtype=x.dtype)
         if self._polled and self._bounded():
-            self._wait(self.comm.Ireduce_scatter_block(host, out, op=self._ops[op]))
+            self._wait(self.comm.Ireduce_scatter_block(_words(host), _words(out), op=self._op(host, op)))
         else:
-            self._call_blocking(self._call, self.comm.Reduce_scatter_block, host, out, op=self._ops[op])
+            self._call_blocking(self._call, self.comm.Reduce_scatter_block, _words(host), _words(out),
+                                op=self._op(host, op))
         return _like(x, out)
 
     def _bcast(self, buf, root):
         with _on_host(buf) as buf:
             if self._polled and self._bounded():
-                self._wait(self.comm.Ibcast(buf, root=root))
+                self._wait(self.comm.Ibcast(_words(buf), root=root))
             else:
-                self._call_blocking(self._call, self.comm.Bcast, buf, root=root)
+                self._call_blocking(self._call, self.comm.Bcast, _words(buf), root=root)
 
     def _alltoall(self, x):
         host = _host(x)
         out = numpy.empty_like(host)
         if self._polled and self._bounded():
-            self._wait(self.comm.Ialltoall(host, out))
+            self._wait(self.comm.Ialltoall(_words(host), _words(out)))
         else:
-            self._call_blocking(self._call, self.comm.Alltoall, host, out)
+            self._call_blocking(self._call, self.comm.Alltoall, _words(host), _words(out))
         return _like(x, out)
 
     def _barrier(self):

@@ -114,3 +114,9 @@ def test_nccl_with_a_cpu_device_target_is_refused_before_any_communicator(monkey
         mp.init("nccl")
     with pytest.raises(RuntimeError, match="call minidl_parallel.init"):
         mp.get_communicator()  # no world was joined
+
+
+def test_fp16_and_bf16_compressed_reductions_over_mpi_are_the_exact_16_bit_sums():
+    pytest.importorskip("ml_dtypes")
+    proc = mpirun(2, SCRIPTS / "compressed_reduction.py", 120)
+    assert _rank_lines(proc, 2) == [f"rank {r}: failures []" for r in range(2)]

@@ -17,6 +17,8 @@ from .context import (get_rank, get_group_size, get_local_rank, get_local_rank_s
 from .world import init, release, run_threads
 from .grad_reducer import DistributedGradReducer
 from .compression import Compression
+from .distributed_optimizer import (DistributedOptimizer, broadcast_parameters, broadcast_optimizer_state, Average,
+                                    Sum, Adasum)
 from .join import Join, join
 from .collectives import AllReduce, AllGather, ReduceScatter, Broadcast
 from .sync_batchnorm import SyncBatchNorm
@@ -27,6 +29,7 @@ from . import ops, nn
 __all__ = ["init", "release", "run_threads", "get_rank", "get_group_size", "get_local_rank", "get_local_rank_size",
            "get_communicator", "is_initialized", "ParallelMode", "set_auto_parallel_context",
            "get_auto_parallel_context", "reset_auto_parallel_context", "launched_under_mpi", "DistributedGradReducer", "Compression",
+           "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "Average", "Sum", "Adasum",
            "Join", "join",
            "AllReduce", "AllGather", "ReduceScatter", "Broadcast", "SyncBatchNorm", "Layout", "CommCounter", "explain",
            "StrategyError", "NoRuleError", "redistribute", "full_value", "get_layout", "ops", "nn"]

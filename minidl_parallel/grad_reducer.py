@@ -66,6 +66,7 @@ import numpy
 from minidl.backend import get_array_module
 from minidl.tensor import Tensor
 
+from . import adasum
 from .agreement import describe_ranks, disagreement, first_difference
 from .collectives import resolve_communicator
 from .compression import Compression
@@ -103,6 +104,13 @@ class DistributedGradReducer:
         compression: ``Compression.none`` (default), ``Compression.fp16`` or
             ``Compression.bf16`` (or their names): the type buckets travel in
             (minidl_parallel/compression.py); the returned gradients have the parameters' dtype.
+        backward_passes_per_step: k >= 1 (Horovod's name): the gradients of k calls are summed
+            locally and reduced once, on the k-th; the other calls return None (no
+            communication; the caller skips its optimizer step). Scale the loss by 1/k for the
+            mean over the k micro-batches, as Horovod's examples do.
+        adasum: combine the ranks' gradients with Horovod's Adasum (minidl_parallel/adasum.py)
+            instead of summing them; ``mean`` does not apply (Adasum of equal gradients is that
+            gradient). Needs a power-of-two world, checked when first used.
         gradient_predivide_factor: Horovod's f, with ``mean`` only: gradients are divided by f
             before the sum and by degree / f after it (f = degree divides everything first,
             which keeps fp16 sums of many ranks from overflowing). Default 1.0; without it and
@@ -117,7 +125,8 @@ class DistributedGradReducer:
     collective = True
 
     def __init__(self, parameters, mean=True, degree=None, fusion_bytes=25 * 1024 * 1024, comm=None,
-                 parameter_broadcast=False, compression=None, gradient_predivide_factor=1.0):
+                 parameter_broadcast=False, compression=None, gradient_predivide_factor=1.0,
+                 backward_passes_per_step=1, adasum=False):
         self.parameters = tuple(parameters)
         for i, p in enumerate(self.parameters):
             if not hasattr(p, "shape") or not hasattr(p, "dtype"):
@@ -137,6 +146,18 @@ class DistributedGradReducer:
         if gradient_predivide_factor != 1.0 and not mean:
             raise ValueError(f"{_WHO}: gradient_predivide_factor={gradient_predivide_factor} divides an average; "
                              f"it needs mean=True (Horovod allows it with op=Average only)")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+                or backward_passes_per_step < 1:
+            raise ValueError(f"{_WHO}: backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+        self.backward_passes_per_step = backward_passes_per_step
+        self._passes = 0  # calls accumulated since the last reduction
+        self._accumulated = [None] * len(self.parameters)
+        if not isinstance(adasum, bool):
+            raise TypeError(f"{_WHO}: adasum must be a bool, got {adasum!r}")
+        if adasum and gradient_predivide_factor != 1.0:
+            raise ValueError(f"{_WHO}: gradient_predivide_factor applies to an average, not to Adasum; got "
+                             f"{gradient_predivide_factor} with adasum=True")
+        self.adasum = adasum
         self.compression = Compression.resolve(compression, _WHO)
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.parameter_broadcast = parameter_broadcast
@@ -186,7 +207,8 @@ class DistributedGradReducer:
     # ---- running ------------------------------------------------------------------------
 
     def __call__(self, grads):
-        """Returns the reduced gradients (a tuple aligned with the parameters); blocking.
+        """Returns the reduced gradients (a tuple aligned with the parameters); blocking. With
+        ``backward_passes_per_step`` k > 1, None on the calls that only accumulate.
 
         Nothing can overlap here, so each bucket takes the blocking all-reduce: with OpenMPI
         5, ``Iallreduce`` + ``Wait`` measured 1.5-3x slower than ``Allreduce`` on 1-16 MB
@@ -215,7 +237,12 @@ class DistributedGradReducer:
         state = self._pending
         if index in state["grads"]:
             raise ValueError(f"{_WHO}: the gradient of parameter {index} was already given in this step")
-        state["grads"][index] = self._check_one(index, grad)
+        grad = self._check_one(index, grad)
+        if state["accumulate"]:
+            state["grads"][index] = None
+            self._accumulate(index, grad)
+            return
+        state["grads"][index] = self._take_accumulated(index, grad)
         b, _ = self._where[index]
         state["missing"][b] -= 1
         while state["next"] < len(self.buckets) and state["missing"][state["next"]] == 0:
@@ -233,6 +260,11 @@ class DistributedGradReducer:
         for i in range(len(self.parameters)):
             if i not in state["grads"]:
                 self.ready(i, None)
+        if state["accumulate"]:
+            self._passes += 1
+            self._pending = None
+            return None
+        self._passes = 0
         out = [None] * len(self.parameters)
         finite = []
         for bucket in self.buckets:
@@ -264,14 +296,26 @@ class DistributedGradReducer:
         """
         return self._finite is not None and not bool(self._finite)
 
+    def _combine_adasum(self, xp, bucket):
+        """The bucket's gathered (n, size) wire values -> each parameter's Adasum, in float64."""
+        gathered = bucket.wire.reshape(self.comm.size, bucket.size).astype(numpy.float64)
+        bucket.wire = None
+        for i, off in zip(bucket.indices, bucket.offsets):
+            n = _numel(self.parameters[i].shape)
+            rows = [gathered[r, off:off + n] for r in range(gathered.shape[0])]
+            bucket.buffer[off:off + n] = adasum.adasum_tree(xp, rows).astype(bucket.dtype)
+
     def _rescales(self):
-        return self.compression is not Compression.none or self.gradient_predivide_factor != 1.0
+        return self.compression is not Compression.none or self.gradient_predivide_factor != 1.0 or self.adasum
 
     def _unpack(self, bucket):
         """Decompresses a reduced bucket into its buffer and divides by degree / f; returns the
         device flag "every reduced value is finite"."""
         xp = get_array_module(bucket.buffer)
         finite = xp.isfinite(bucket.wire).all()
+        if self.adasum:
+            self._combine_adasum(xp, bucket)
+            return finite
         self.compression.decompress(xp, bucket.wire, bucket.buffer)
         bucket.wire = None
         if self.mean:
@@ -287,49 +331,7 @@ class DistributedGradReducer:
             tensors: Parameters (or Tensors) in the same order and shapes on every rank.
             root: the rank whose values win.
         """
-        tensors = list(tensors)
-        for i, t in enumerate(tensors):
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{_WHO}.broadcast_parameters: tensors[{i}] must be a Tensor, got {type(t).__name__}")
-        comm = self.comm
-        if comm.size == 1:
-            return 0
-        # Checked on every call (once per training run): the tensors, optimizer state included,
-        # may be another set each time, and a broadcast of mismatched buffers corrupts memory.
-        self._check_agreement(comm, f"{_WHO}.broadcast_parameters", _describe_tensors(tensors), root=root)
-        if not tensors:
-            return 0
-        # Host tensors (the optimizer's global_step, SGD's stat flags: NumPy even on a GPU) get
-        # buffers of their own, never packed with device ones: the communicator sends each
-        # where it lives (nccl: NumPy buffers over its inner MPI communicator), so the few bytes
-        # of host state cost no device round trip and no synchronisation.
-        groups = {}
-        for t in tensors:
-            groups.setdefault((str(t.data.dtype), type(t.data).__module__), []).append(t)
-        count = 0
-        for members in groups.values():
-            chunk, nbytes = [], 0
-            for t in members + [None]:
-                if t is None or (chunk and nbytes + t.data.nbytes > self.fusion_bytes):
-                    self._broadcast_chunk(comm, chunk, root)
-                    count += 1
-                    chunk, nbytes = [], 0
-                if t is not None:
-                    chunk.append(t)
-                    nbytes += t.data.nbytes
-        return count
-
-    @staticmethod
-    def _broadcast_chunk(comm, chunk, root):
-        xp = get_array_module(chunk[0].data)
-        buf = xp.concatenate([xp.ravel(t.data) for t in chunk])
-        buf = comm.broadcast(buf, root=root)
-        off = 0
-        for t in chunk:
-            n = t.data.size
-            # In place, so views held elsewhere (optimizer state, the net's layers) see rank 0's values.
-            t.data[...] = buf[off:off + n].reshape(t.data.shape)
-            off += n
+        return broadcast_tensors(tensors, root, self.comm, self.fusion_bytes, f"{_WHO}.broadcast_parameters")
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -382,11 +384,39 @@ class DistributedGradReducer:
     def _begin(self):
         if self._pending is not None:
             raise RuntimeError(f"{_WHO}: a reduction is already in flight; call finish() first")
+        if self._passes < self.backward_passes_per_step - 1:  # this call only accumulates
+            if self._joined is not None:
+                raise RuntimeError(f"{_WHO}: backward_passes_per_step={self.backward_passes_per_step} inside a "
+                                   f"join block is not supported: a finished rank cannot tell which calls its "
+                                   f"peers reduce; use backward_passes_per_step=1 with uneven inputs")
+            self._pending = {"grads": {}, "accumulate": True}
+            return
         self.agree_on_parameters()
+        if self.adasum:
+            adasum.check_world(self.comm.size, _WHO)
         self._finite = None
         if self._joined is not None and self._vote_before_reducing:
             self._vote(self.comm, True)
-        self._pending = {"grads": {}, "missing": [len(b.indices) for b in self.buckets], "next": 0}
+        self._pending = {"grads": {}, "missing": [len(b.indices) for b in self.buckets], "next": 0,
+                         "accumulate": False}
+
+    def _accumulate(self, index, grad):
+        if grad is None:
+            return
+        acc = self._accumulated[index]
+        if acc is None:
+            self._accumulated[index] = grad.copy()
+        else:
+            acc += grad
+
+    def _take_accumulated(self, index, grad):
+        """grad plus what earlier calls accumulated for parameter index (which is then cleared)."""
+        acc, self._accumulated[index] = self._accumulated[index], None
+        if acc is None:
+            return grad
+        if grad is not None:
+            acc += grad
+        return acc
 
     def _launch(self, b):
         bucket = self.buckets[b]
@@ -423,12 +453,71 @@ class DistributedGradReducer:
         # blocking collective with a non-blocking one.
         wire = bucket.wire = self.compression.compress(xp, buf, _WHO)
         comm = self.comm
+        if self.adasum:  # every rank's bucket, combined in _unpack (blocking: the tree needs them all)
+            record("allgather", comm.size, comm_bytes("allgather", wire.nbytes, comm.size), phase="gradients")
+            bucket.wire = comm.allgather(wire)
+            bucket.request = None
+            return
         record("allreduce", comm.size, comm_bytes("allreduce", wire.nbytes, comm.size), phase="gradients")
         if self._blocking or self._joined is not None:
             comm.allreduce_(wire, "sum")
             bucket.request = None
         else:
             bucket.request = comm.iallreduce_(wire, "sum")
+
+
+def broadcast_tensors(tensors, root=0, comm=None, fusion_bytes=25 * 1024 * 1024, who="broadcast_parameters"):
+    """Overwrites every tensor's data with ``root``'s, in fused buffers; returns the count of broadcasts.
+
+    Every rank passes the same tensors (order, shapes, dtypes), checked on every call.
+    """
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{who}: tensors[{i}] must be a Tensor, got {type(t).__name__}")
+    comm = resolve_communicator(who, comm)
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < comm.size:
+        raise ValueError(f"{who}: root must be a rank in [0, {comm.size - 1}], got {root!r}")
+    if comm.size == 1:
+        return 0
+    # Checked on every call (once per training run): the tensors, optimizer state included,
+    # may be another set each time, and a broadcast of mismatched buffers corrupts memory.
+    found = disagreement(comm, "parameters", ((("root", root),), _describe_tensors(tensors)))
+    if found is not None:
+        raise ValueError(_mismatch_message(who, found))
+    if not tensors:
+        return 0
+    # Host tensors (the optimizer's global_step, SGD's stat flags: NumPy even on a GPU) get
+    # buffers of their own, never packed with device ones: the communicator sends each
+    # where it lives (nccl: NumPy buffers over its inner MPI communicator), so the few bytes
+    # of host state cost no device round trip and no synchronisation.
+    groups = {}
+    for t in tensors:
+        groups.setdefault((str(t.data.dtype), type(t.data).__module__), []).append(t)
+    count = 0
+    for members in groups.values():
+        chunk, nbytes = [], 0
+        for t in members + [None]:
+            if t is None or (chunk and nbytes + t.data.nbytes > fusion_bytes):
+                _broadcast_chunk(comm, chunk, root)
+                count += 1
+                chunk, nbytes = [], 0
+            if t is not None:
+                chunk.append(t)
+                nbytes += t.data.nbytes
+    return count
+
+
+def _broadcast_chunk(comm, chunk, root):
+    xp = get_array_module(chunk[0].data)
+    buf = xp.concatenate([xp.ravel(t.data) for t in chunk])
+    buf = comm.broadcast(buf, root=root)
+    off = 0
+    for t in chunk:
+        n = t.data.size
+        # In place, so views held elsewhere (optimizer state, the net's layers) see rank 0's values.
+        t.data[...] = buf[off:off + n].reshape(t.data.shape)
+        off += n
 
 
 def _describe_tensors(tensors):
@@ -472,4 +561,4 @@ def _numel(shape):
     return n
 
 
-__all__ = ["DistributedGradReducer"]
+__all__ = ["DistributedGradReducer", "broadcast_tensors"]

@@ -17,6 +17,7 @@ from .context import (get_rank, get_group_size, get_local_rank, get_local_rank_s
 from .world import init, release, run_threads
 from .grad_reducer import DistributedGradReducer
 from .compression import Compression
+from .dist_opt import DistOpt
 from .distributed_optimizer import (DistributedOptimizer, broadcast_parameters, broadcast_optimizer_state, Average,
                                     Sum, Adasum)
 from .join import Join, join
@@ -28,7 +29,7 @@ from . import ops, nn
 
 __all__ = ["init", "release", "run_threads", "get_rank", "get_group_size", "get_local_rank", "get_local_rank_size",
            "get_communicator", "is_initialized", "ParallelMode", "set_auto_parallel_context",
-           "get_auto_parallel_context", "reset_auto_parallel_context", "launched_under_mpi", "DistributedGradReducer", "Compression",
+           "get_auto_parallel_context", "reset_auto_parallel_context", "launched_under_mpi", "DistributedGradReducer", "Compression", "DistOpt",
            "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "Average", "Sum", "Adasum",
            "Join", "join",
            "AllReduce", "AllGather", "ReduceScatter", "Broadcast", "SyncBatchNorm", "Layout", "CommCounter", "explain",

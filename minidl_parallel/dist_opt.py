@@ -35,6 +35,8 @@ from . import sparse
 from .compression import Compression
 from .context import get_local_rank
 from .grad_reducer import DistributedGradReducer
+from .tensor_parallel.counter import record
+from .tensor_parallel.plan import comm_bytes
 from .world import init
 
 __all__ = ["DistOpt"]
@@ -121,7 +123,9 @@ class DistOpt:
         params = [self.opt.parameters[i] for i in chunk]
         xp = get_array_module(params[0].data)
         flat = xp.concatenate([xp.ravel(p.data) for p in params])
-        flat = self.communicator.allreduce(flat, "mean")
+        comm = self.communicator
+        record("allreduce", comm.size, comm_bytes("allreduce", flat.nbytes, comm.size), phase="gradients")
+        flat = comm.allreduce(flat, "mean")
         off = 0
         for p in params:
             p.data[...] = flat[off:off + p.data.size].reshape(p.data.shape)

@@ -1,0 +1,50 @@
+"""examples/dist_options.py (SINGA's CNN with --dist-option) runs alone and under mpirun, and learns."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from comm.test_mpi import ROOT, mpirun  # tests/minidl_parallel/comm: the mpirun runner of the suite
+
+EXAMPLE = ROOT / "examples" / "dist_options.py"
+
+
+def _accuracies(stdout):
+    return [float(line.split("test accuracy ")[1].split(",")[0]) for line in stdout.splitlines() if "epoch" in line
+            and "test accuracy" in line]
+
+
+@pytest.mark.cpu_only  # a fresh process: the device double is not installed there
+def test_one_process_learns():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("MINIDL_DEVICE", None)
+    out = subprocess.run([sys.executable, str(EXAMPLE)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    accuracies = _accuracies(out.stdout)
+    assert len(accuracies) == 3 and accuracies[-1] > 0.9  # chance is 0.1
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("option", ["fp16", "sparseTopK", "adasum"])
+def test_under_mpirun_every_option_trains_and_reports_its_bytes(option, tmp_path):
+    summary = tmp_path / "summary.jsonl"
+    cmd_args = ["--dist-option", option, "--spars", "0.01", "--summary", str(summary)]
+    proc = _mpirun_with_args(2, cmd_args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(summary.read_text().splitlines()[-1])
+    assert result["ranks"] == 2 and result["accuracy"] > 0.5
+    fp32_bytes = 4 * sum((20 * 25 + 20, 50 * 20 * 25 + 50, 800 * 500 + 500, 5010))  # the CNN's parameters
+    ratio = {"fp16": 0.5, "adasum": 1.0}.get(option)
+    if ratio is not None:
+        assert result["bytes_per_step"] == ratio * fp32_bytes
+    else:  # top 1% of the entries with their int64 indices, and the counts
+        assert 0 < result["bytes_per_step"] < 0.05 * fp32_bytes
+
+
+def _mpirun_with_args(n, args):
+    """mpirun of the example with arguments (the suite's runner takes a script only)."""
+    script = ROOT / "tests" / "mpi" / "run_dist_options.py"
+    return mpirun(n, script, 300, DIST_OPTIONS_ARGS=json.dumps(args))

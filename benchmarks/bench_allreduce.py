@@ -15,6 +15,10 @@ For float32 buffers of 4 KB to 64 MB (powers of 4) it times, per size:
     allreduce_ communicator.allreduce_(buf)                   (ours, in place)
     allreduce  communicator.allreduce(buf)                    (ours, returns a new array)
     mean_      communicator.allreduce_(buf, "mean")           (ours, in place, sum then / size)
+    raw_f16    comm.Allreduce(MPI.IN_PLACE, half)             (mpi4py, MPI's float16 SUM; optional)
+    allreduce_f16  communicator.allreduce_(half)              (ours: a NumPy-vectorised float16 sum; optional)
+
+(the f16 variants reduce a float16 buffer of as many elements: half the bytes.)
 
 and prints time, algbw = bytes / time and busbw = algbw * 2 (n - 1) / n, the bus bandwidth
 of nccl-tests for all-reduce (what each rank's link carries; comparable across n), and the
@@ -49,7 +53,8 @@ def parse_args():
     p.add_argument("--round-bytes", type=parse_bytes, default="256M",
                    help="bytes all-reduced per variant per round (sets the iterations per size)")
     p.add_argument("--variants", default="raw,allreduce_,allreduce,mean_",
-                   help="comma-separated, from raw, allreduce_, allreduce, mean_, raw_oop, iallreduce_, raw_i")
+                   help="comma-separated, from raw, allreduce_, allreduce, mean_, raw_oop, iallreduce_, raw_i, "
+                        "raw_f16, allreduce_f16")
     return p.parse_args()
 
 
@@ -69,8 +74,15 @@ def main():
     raw = MPI.COMM_WORLD
     n, rank = comm.size, comm.rank
 
+    halves = {}
+
+    def half(b):  # a float16 buffer of b's element count (zeros: sums stay finite)
+        return halves.setdefault(b.size, np.zeros(b.size, dtype=np.float16))
+
     variants = {
         "raw": lambda b: raw.Allreduce(MPI.IN_PLACE, b, op=MPI.SUM),
+        "raw_f16": lambda b: raw.Allreduce(MPI.IN_PLACE, half(b), op=MPI.SUM),
+        "allreduce_f16": lambda b: comm.allreduce_(half(b)),
         "allreduce_": lambda b: comm.allreduce_(b),
         "allreduce": lambda b: comm.allreduce(b),
         "raw_oop": lambda b: raw.Allreduce(b, np.empty_like(b), op=MPI.SUM),

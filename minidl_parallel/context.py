@@ -28,7 +28,8 @@ class ParallelMode:
 
 _DEFAULTS = {"parallel_mode": ParallelMode.STAND_ALONE, "gradients_mean": False, "parameter_broadcast": False,
              "device_num": None, "global_rank": None, "dataset_strategy": "data_parallel",
-             "search_mode": "sharding_propagation"}
+             "search_mode": "sharding_propagation", "grad_accumulation_step": 1, "gradient_compression": None,
+             "gradient_predivide_factor": 1.0}
 DATASET_STRATEGIES = ("data_parallel", "full_batch")
 SEARCH_MODES = ("sharding_propagation",)
 
@@ -45,6 +46,16 @@ def _check_setting(key, value):
     elif key in ("gradients_mean", "parameter_broadcast"):
         if not isinstance(value, bool):
             raise ValueError(f"set_auto_parallel_context: {key} must be True or False, got {value!r}")
+    elif key == "grad_accumulation_step":
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"set_auto_parallel_context: grad_accumulation_step must be an int >= 1, got {value!r}")
+    elif key == "gradient_compression":
+        from .compression import Compression
+        Compression.resolve(value, "set_auto_parallel_context: gradient_compression")
+    elif key == "gradient_predivide_factor":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"set_auto_parallel_context: gradient_predivide_factor must be a finite number > 0, "
+                             f"got {value!r}")
     elif key == "device_num":
         if value is not None and (not _is_int(value) or value < 1):
             raise ValueError(f"set_auto_parallel_context: device_num must be None or an int >= 1, got {value!r}")
@@ -132,7 +143,14 @@ def get_local_rank_size():
 
 def set_auto_parallel_context(**kwargs):
     """Sets parallel_mode, gradients_mean, parameter_broadcast, device_num, global_rank,
-    dataset_strategy and/or search_mode.
+    dataset_strategy, search_mode, grad_accumulation_step, gradient_compression and/or
+    gradient_predivide_factor.
+
+    The last three configure DATA_PARALLEL's gradient reducer (Model.train's): reduce once per
+    ``grad_accumulation_step`` steps (MindSpore's name; the steps in between only accumulate,
+    and the optimizer runs on the reduced step), send gradients as ``gradient_compression``
+    "fp16"/"bf16" (Horovod's Compression; None or "none": as they are), and Horovod's
+    ``gradient_predivide_factor`` (minidl_parallel/grad_reducer.py).
 
 SEMI_AUTO_PARALLEL and AUTO_PARALLEL turn on operator-level tensor parallelism (see
     minidl_parallel.tensor_parallel). ``dataset_strategy`` says what each rank's network is

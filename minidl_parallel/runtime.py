@@ -68,7 +68,10 @@ class ParallelRuntime(Runtime):
         if settings["parallel_mode"] != context.ParallelMode.DATA_PARALLEL:
             return None
         return DistributedGradReducer(parameters, mean=settings["gradients_mean"],
-                                      parameter_broadcast=settings["parameter_broadcast"])
+                                      parameter_broadcast=settings["parameter_broadcast"],
+                                      backward_passes_per_step=settings["grad_accumulation_step"],
+                                      compression=settings["gradient_compression"],
+                                      gradient_predivide_factor=settings["gradient_predivide_factor"])
 
     def full_value(self, tensor):
         return parameters.whole(tensor, self.world.comm, dispatch.groups())

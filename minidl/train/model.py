@@ -23,6 +23,9 @@ Two optional parts of a reducer's interface are used when present:
   optimizer's state are overwritten with rank 0's, so all ranks start alike
   (``set_auto_parallel_context(parameter_broadcast=True)`` in minidl_parallel); a resumed
   run starts from each rank's own checkpoint instead (its BatchNorm statistics are its own).
+- a reducer may return None: the step only accumulated gradients (e.g. gradient
+  accumulation), and the optimizer does not run; and ``overflowed()`` True after a reduction
+  (a 16-bit compressed sum out of range): the optimizer skips that step, with a warning.
 - ``collective`` (True): every call communicates, so every rank must run as many steps (as
   under a runtime whose ``trains_in_lockstep()`` is True); ``join(optimizer)``: a context in
   which a rank whose data ended keeps taking part with zero gradients (``uneven_inputs``).
@@ -44,6 +47,7 @@ Example:
     {'accuracy': 0.91}
 """
 import numbers
+import warnings
 
 import numpy
 
@@ -213,7 +217,7 @@ class Model:
                 (loss, _), grads = grad_fn(*row)
                 if reducer is not None:
                     grads = reducer(grads)
-                self._optimizer(grads)
+                self._apply(grads, reducer)
                 return loss.detach()
             return step
 
@@ -232,9 +236,23 @@ class Model:
             # A loss that reaches no parameter fires nothing: reduce the (zero) gradients as a whole
             # so every rank still runs the same collectives.
             grads = reducer.finish() if fired else reducer(grads)
-            self._optimizer(grads)
+            self._apply(grads, reducer)
             return loss.detach()
         return overlapped_step
+
+    def _apply(self, grads, reducer):
+        """The optimizer's update, unless the reducer only accumulated (None) or its reduction
+        overflowed (see the module doc)."""
+        if grads is None:
+            return
+        overflowed = getattr(reducer, "overflowed", None)
+        if overflowed is not None and overflowed():
+            warnings.warn("Model.train: the reduced gradients hold inf or NaN (a compressed 16-bit sum out of range, "
+                          "or a non-finite gradient on some rank); the optimizer skips this step. With fp16, "
+                          "gradient_predivide_factor=<ranks> or gradient_compression='bf16' keeps sums in range",
+                          RuntimeWarning, stacklevel=3)
+            return
+        self._optimizer(grads)
 
     def _resolve_grad_reducer(self):
         """The given reducer, else the active runtime's for the optimizer's parameters (or None)."""

@@ -50,9 +50,10 @@ class DistOpt:
 
     Args:
         opt: the optimizer (``nn.Momentum``, ``nn.SGD``...).
-        nccl_id, local_rank, world_size: SINGA's arguments for processes it started itself;
-            ``world_size`` is checked against the world (a world that differs raises);
-            ``nccl_id`` needs ``init("nccl", unique_id=...)``, which minidl does not have yet.
+        nccl_id, local_rank, world_size: SINGA's arguments for processes it started itself:
+            ``nccl_id`` joins the nccl backend with that unique id (``init("nccl",
+            unique_id=...)``), ``world_size`` and ``local_rank`` are checked against the world
+            (a world that differs raises).
         buffSize: accepted for SINGA's signature (minidl sizes its buffers per call).
     """
 
@@ -60,11 +61,11 @@ class DistOpt:
         if not callable(opt) or not isinstance(getattr(opt, "parameters", None), tuple):
             raise TypeError(f"{_WHO}: opt must be a minidl optimizer (callable, with .parameters), got "
                             f"{type(opt).__name__}")
-        if nccl_id is not None:
-            raise ValueError(f"{_WHO}: nccl_id (SINGA's own process launch) is not supported yet; start the ranks "
-                             f"with mpirun (or python -m minidl_parallel.run) and pass no nccl_id")
         self.opt = opt
-        self.communicator = init(world_size=world_size)
+        # SINGA's nccl_id: the NCCL id its launcher made; minidl's ranks are MPI processes
+        # (mpirun, minidl_parallel.run or spawn), which the id then joins over NCCL.
+        self.communicator = init("nccl", world_size=world_size, unique_id=nccl_id) if nccl_id is not None \
+            else init(world_size=world_size)
         if local_rank is not None and local_rank != get_local_rank():
             raise ValueError(f"{_WHO}: local_rank={local_rank} was given, but this process is local rank "
                              f"{get_local_rank()} of its machine; pass local_rank=None")

@@ -101,7 +101,7 @@ def _check_world(comm, name, rank, world_size):
                            f"rank)")
 
 
-def init(backend_name=None, *, rank=None, world_size=None, timeout=None, stall_warning=None):
+def init(backend_name=None, *, rank=None, world_size=None, timeout=None, stall_warning=None, unique_id=None):
     """Joins the parallel world and returns its communicator.
 
     Args:
@@ -119,6 +119,8 @@ def init(backend_name=None, *, rank=None, world_size=None, timeout=None, stall_w
             ``MINIDL_COLLECTIVE_TIMEOUT`` or 600; 0 = wait forever).
         stall_warning: seconds after which a waiting collective warns with the same names
             (default ``MINIDL_STALL_WARNING_SECONDS`` or 60; 0 = never).
+        unique_id: nccl only: the NCCL unique id the launching process made and gave every
+            rank (SINGA's ``nccl_id``); default rank 0 makes it and MPI hands it on.
 
     Calling it again with the same backend returns the same communicator (with ``timeout``
     and ``stall_warning`` updated when given).
@@ -140,8 +142,10 @@ def init(backend_name=None, *, rank=None, world_size=None, timeout=None, stall_w
         _set_waits(world.comm, timeout, stall_warning)
         return world.comm
     name = backend_name or _default_backend()
+    if unique_id is not None and name != "nccl":
+        raise ValueError(f"init: unique_id is NCCL's and needs backend 'nccl', got backend {name!r}")
     _device_follows_backend(name)  # before the communicator: a refusal leaves nothing to release
-    comm = create_communicator(name)
+    comm = create_communicator(name, **({} if unique_id is None else {"unique_id": unique_id}))
     _set_waits(comm, timeout, stall_warning)
     try:
         _check_world(comm, name, rank, world_size)

@@ -153,6 +153,20 @@ def _check_placement(placements):
         owner[key] = rank
 
 
+def _check_same_unique_id(placements):
+    """Raises on every rank when the ranks were handed different unique ids (NCCL would wait in
+    ncclCommInitRank for peers that joined another communicator, until its timeout)."""
+    missing = [r for r, info in enumerate(placements) if not info["uid_given"]]
+    if missing:
+        raise RuntimeError(f"nccl backend: rank(s) {missing} were given no unique_id while the others were; every "
+                           f"rank must pass the one id its launcher made (unique_id=...), or none")
+    uids = [tuple(info["uid"]) for info in placements]
+    differ = [r for r, uid in enumerate(uids) if uid != uids[0]]
+    if differ:
+        raise RuntimeError(f"nccl backend: the ranks were given different unique ids: rank(s) {differ} differ from "
+                           f"rank 0's; every rank must pass the one id its launcher made (unique_id=...)")
+
+
 class NcclCommunicator(Communicator):
     """A communicator over NCCL, bootstrapped over an mpi4py communicator.
 
@@ -161,6 +175,10 @@ class NcclCommunicator(Communicator):
         device: the CUDA device of this rank (default: the local rank modulo the number of
             devices this process sees).
         debug, timeout, stall_warning: see :class:`Communicator`.
+        unique_id: NCCL's unique id (``cupy.cuda.nccl.get_unique_id()``), when the process
+            that started the ranks made one and handed it to each (SINGA's NcclIdHolder;
+            ``init("nccl", unique_id=...)``): every rank must pass the same; default: rank 0
+            makes one and the bootstrap gather hands it on.
 
     Attributes:
         device: the CUDA device this rank's collectives run on.
@@ -169,27 +187,27 @@ class NcclCommunicator(Communicator):
 
     backend = "nccl"
 
-    def __init__(self, mpi_comm=None, device=None, debug=None, timeout=None, stall_warning=None):
+    def __init__(self, mpi_comm=None, device=None, debug=None, timeout=None, stall_warning=None, unique_id=None):
         import_nccl()  # first: the missing library a GPU user needs is CuPy's NCCL
         import_mpi()
         # The inner mpi communicator (made with comm=None for the world, so it makes the watch).
         host = MpiCommunicator(mpi_comm, debug=0, timeout=timeout, stall_warning=stall_warning)
         try:
-            self._setup(host, device, debug, timeout, stall_warning, owns_host=True)
+            self._setup(host, device, debug, timeout, stall_warning, owns_host=True, unique_id=unique_id)
         except BaseException:
             host.release()
             raise
 
     @classmethod
-    def over(cls, host, device=None, debug=None, timeout=None, stall_warning=None):
+    def over(cls, host, device=None, debug=None, timeout=None, stall_warning=None, unique_id=None):
         """The NCCL communicator of the ranks of ``host``, a :class:`Communicator` that carries
         the bootstrap, barriers, object gathers and host arrays (the mpi backend in a job; the
         threads backend in tests). ``host`` stays the caller's: ``release()`` leaves it open."""
         self = cls.__new__(cls)
-        self._setup(host, device, debug, timeout, stall_warning, owns_host=False)
+        self._setup(host, device, debug, timeout, stall_warning, owns_host=False, unique_id=unique_id)
         return self
 
-    def _setup(self, host, device, debug, timeout, stall_warning, owns_host):
+    def _setup(self, host, device, debug, timeout, stall_warning, owns_host, unique_id=None):
         cupy, nccl = import_nccl()
         self._cupy, self._nccl_mod = cupy, nccl
         self._mpi, self._owns_host = host, owns_host
@@ -205,19 +223,22 @@ class NcclCommunicator(Communicator):
         # Each rank picks its GPU, then one exchange carries the unique id from rank 0 and
         # every rank's placement: a failure or two ranks on one GPU raise on every rank,
         # rather than on one while the others wait for it in ncclCommInitRank.
-        mine = {"local_rank": self.local_rank, "local_size": self.local_size, "visible": _visible_env()}
+        mine = {"local_rank": self.local_rank, "local_size": self.local_size, "visible": _visible_env(),
+                "uid_given": unique_id is not None, "uid": None}
         try:
             self.device, self.visible_devices = _choose_device(cupy, device, self.local_rank)
             cupy.cuda.Device(self.device).use()
             mine.update(device=self.device, count=self.visible_devices, host=_host_id(),
                         bus_id=str(cupy.cuda.Device(self.device).pci_bus_id),
-                        uid=nccl.get_unique_id() if self.rank == 0 else None)
+                        uid=unique_id if unique_id is not None else nccl.get_unique_id() if self.rank == 0 else None)
         except Exception as exc:  # noqa: B902 - told to every rank below, then raised there
             mine["error"] = f"{type(exc).__name__}: {exc}"
         self._call = CallInfo("nccl init (unique id, GPU placement)", -1, None, None)
         placements = self._inner()._allgather_object(mine)
         self._call = CallInfo("(none)", -1, None, None)
         _check_placement(placements)
+        if any(info["uid_given"] for info in placements):
+            _check_same_unique_id(placements)
         self.comm = nccl.NcclCommunicator(self.size, placements[0]["uid"], self.rank)
 
     def _dtype(self, x):

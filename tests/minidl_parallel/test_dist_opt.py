@@ -190,8 +190,9 @@ def _bad_arguments():
                                (0.0, False, "> 0; got 0.0"), (-1, False, "> 0; got -1")):
         with pytest.raises(ValueError, match=match):
             sgd.backward_and_sparse_update(loss, spars=spars, topK=topk)
-    with pytest.raises(ValueError, match="nccl_id .* is not supported yet"):
-        DistOpt(nn.SGD(net.trainable_params(), 0.1), nccl_id=b"x")
+    with pytest.raises(RuntimeError, match=r"already initialised with backend 'threads'; call release\(\) before "
+                                           r"init\('nccl'\)"):
+        DistOpt(nn.SGD(net.trainable_params(), 0.1), nccl_id=b"x")  # an nccl id joins the nccl backend
     with pytest.raises(RuntimeError, match="world_size=4 was asked, but this process was not started by a launcher"):
         DistOpt(nn.SGD(net.trainable_params(), 0.1), world_size=4)
     with pytest.raises(TypeError, match="opt must be a minidl optimizer"):

@@ -102,6 +102,12 @@ def test_a_gpu_default_used_before_init_mpi_stays_with_a_warning():
                for line in lines if "warning:" in line)
 
 
+def test_a_unique_id_needs_the_nccl_backend():
+    import minidl_parallel as mp
+    with pytest.raises(ValueError, match="unique_id is NCCL's and needs backend 'nccl', got backend 'local'"):
+        mp.init("local", unique_id=b"x")
+
+
 def test_nccl_with_a_cpu_device_target_is_refused_before_any_communicator(monkeypatch):
     import minidl
     import minidl_parallel as mp

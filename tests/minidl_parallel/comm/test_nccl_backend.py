@@ -840,3 +840,32 @@ def test_host_arrays_split_and_release_over_the_real_inner_mpi_communicator(tmp_
     proc = mpirun(2, script)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank")) == ["rank 0: ok", "rank 1: ok"]
+
+
+# ---- a unique id made by the launcher (SINGA's nccl_id, init("nccl", unique_id=...)) -------
+
+def test_ranks_given_one_unique_id_join_through_it(fakes):
+    uid = fakes.nccl.get_unique_id()
+
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=30, stall_warning=0, unique_id=uid)
+        try:
+            return comm.allreduce(_dev(np.array([rank + 1.0])), "sum").get()
+        finally:
+            comm.release()
+
+    assert [float(t[0]) for t in _run(2, body)] == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("ids", ["different", "one missing"])
+def test_different_or_missing_unique_ids_are_refused_on_every_rank(fakes, ids):
+    uids = [fakes.nccl.get_unique_id(), fakes.nccl.get_unique_id()]
+    if ids == "one missing":
+        uids[1] = None
+
+    def body(rank):
+        return _outcome(lambda: nccl_backend.NcclCommunicator(timeout=30, stall_warning=0, unique_id=uids[rank]))
+
+    results = _run(2, body)
+    want = "rank(s) [1] differ from rank 0's" if ids == "different" else "rank(s) [1] were given no unique_id"
+    assert all(kind == "RuntimeError" and want in message for kind, message in results), results

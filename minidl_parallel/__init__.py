@@ -15,6 +15,7 @@ from .context import (get_rank, get_group_size, get_local_rank, get_local_rank_s
                       get_communicator, is_initialized, ParallelMode, set_auto_parallel_context,
                       get_auto_parallel_context, reset_auto_parallel_context, launched_under_mpi)
 from .world import init, release, run_threads
+from .spawning import spawn, SpawnError
 from .grad_reducer import DistributedGradReducer
 from .compression import Compression
 from .dist_opt import DistOpt
@@ -27,7 +28,7 @@ from .tensor_parallel import (Layout, CommCounter, explain, StrategyError, NoRul
                               get_layout)
 from . import ops, nn
 
-__all__ = ["init", "release", "run_threads", "get_rank", "get_group_size", "get_local_rank", "get_local_rank_size",
+__all__ = ["init", "release", "run_threads", "spawn", "SpawnError", "get_rank", "get_group_size", "get_local_rank", "get_local_rank_size",
            "get_communicator", "is_initialized", "ParallelMode", "set_auto_parallel_context",
            "get_auto_parallel_context", "reset_auto_parallel_context", "launched_under_mpi", "DistributedGradReducer", "Compression", "DistOpt",
            "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "Average", "Sum", "Adasum",

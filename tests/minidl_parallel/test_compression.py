@@ -124,3 +124,10 @@ def test_bf16_on_the_device_is_a_clear_error():
     with pytest.raises(TypeError, match="Compression.bf16 needs NumPy arrays: CuPy has no bfloat16 dtype; use "
                                         "Compression.fp16 on the GPU"):
         Compression.bf16.compress(xp, xp.zeros(3, dtype=xp.float32), "DistributedGradReducer")
+
+
+def test_bf16_without_ml_dtypes_names_the_package(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # as if not installed: import raises ImportError
+    with pytest.raises(ImportError, match=r"Compression.bf16 needs the ml_dtypes package .*pip install ml_dtypes"):
+        DistributedGradReducer(_params([(2,)]), compression="bf16")

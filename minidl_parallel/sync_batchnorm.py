@@ -15,12 +15,15 @@ behave so too). SyncBatchNorm makes it so, with ``ops.BatchNorm`` itself: its op
 
 Inference (or ``use_batch_statistics=False``) is plain BatchNorm on the moving statistics,
 without communication. Per training step it costs 2 all-reduces forward and 1 backward,
-each of 2C or C + 1 values.
+each of 2C or C + 1 values; on the GPU one more, of the count on the host (``count_over_batch``),
+so that no BatchNorm reads a device value back (a host synchronisation per layer).
 
 Example:
     >>> from minidl_parallel.sync_batchnorm import SyncBatchNorm
     >>> net = nn.SequentialCell(nn.Conv2d(3, 8, 3), SyncBatchNorm(8), nn.ReLU())
 """
+import numpy
+
 from minidl.nn import BatchNorm2d
 from minidl.ops import BatchNorm
 
@@ -46,6 +49,12 @@ class SyncBatchNormOp(BatchNorm):
     def sum_over_batch(self, sums):
         """The per-channel sums of every rank of the group (one all-reduce)."""
         return resolve_communicator("SyncBatchNorm", self.group).allreduce(sums, "sum")
+
+    def count_over_batch(self, count):
+        """The group's values per channel (GPU path): a host all-reduce of one int, so no device
+        synchronisation (the nccl backend sends host arrays over MPI)."""
+        comm = resolve_communicator("SyncBatchNorm", self.group)
+        return int(comm.allreduce(numpy.array([count], dtype=numpy.int64), "sum")[0])
 
 
 class SyncBatchNorm(BatchNorm2d):

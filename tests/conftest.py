@@ -8,6 +8,7 @@ The device-pinned mode: ``MINIDL_TEST_DEVICE=double`` installs the strict device
 there. ``MINIDL_TEST_DEVICE=gpu`` pins to the real CuPy on a GPU machine.
 """
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -70,3 +71,22 @@ def _fresh_seed():
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture
+def on_the_double(monkeypatch):
+    """minidl's GPU path on the strict device double, also in the normal (CPU) suite; yields the
+    double's ``cupy`` module (monkeypatch its functions to spy on the GPU path). The device
+    target is restored exactly afterwards (a target not yet resolved stays unresolved)."""
+    from minidl import backend
+    from minidl.testing import cupy_double
+    if backend._cupy and backend._cupy is not cupy_double.cupy_module():
+        pytest.skip("a real CuPy is in use: its arrays are not the double's")
+    for key in ("device_target", "chosen"):
+        monkeypatch.setitem(backend._state, key, backend._state[key])
+    monkeypatch.setattr(backend, "_cupy", cupy_double.cupy_module())
+    monkeypatch.setitem(sys.modules, "cupy", cupy_double.cupy_module())  # what `import cupy` finds, too
+    backend.set_context("GPU")
+    import minidl
+    minidl.set_seed(0)
+    yield cupy_double.cupy_module()

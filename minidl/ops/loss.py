@@ -10,6 +10,8 @@ autograd. The ``nn`` losses apply the reduction.
 ``cross_entropy`` and ``mse_loss`` are compositions of primitives (log-softmax, Mul,
 ReduceSum, ...), so their gradients come for free.
 """
+import os
+
 import numpy
 
 from ..backend import get_array_module
@@ -105,19 +107,48 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
         xp = get_array_module(logits, labels)
         self.log_p = _log_softmax_rows(logits)
         self.rows = xp.arange(logits.shape[0])
+        self.device_labels = xp is not numpy
+        if self.device_labels:  # unchecked: gather in range (CuPy wraps), NaN where out of range
+            self.n_classes = logits.shape[1]
+            self.raw_labels, labels = labels, xp.clip(labels, 0, logits.shape[1] - 1)
         self.labels = labels
-        return -self.log_p[self.rows, labels]
+        loss = -self.log_p[self.rows, labels]
+        if self.device_labels:
+            loss = _nan_where_out_of_range(xp, loss, self.raw_labels, self.n_classes)
+        return loss
 
     def backward(self, gy):
         xp = get_array_module(gy)
         gx = xp.exp(self.log_p)
         gx[self.rows, self.labels] -= 1
         gx *= gy[:, None]
+        if self.device_labels:
+            gx = _nan_where_out_of_range(xp, gx, self.raw_labels, self.n_classes)
         return gx, None
 
 
+def host_label_checks():
+    """Whether device labels are range-checked on the host ($MINIDL_CHECK_LABELS=1, read at each
+    call). Off by default: the check reads a device value back, a host synchronisation every
+    step; instead a label out of range makes its sample's loss NaN on the device
+    (``_nan_where_out_of_range``), which the loss shows (LossMonitor stops on it)."""
+    return os.environ.get("MINIDL_CHECK_LABELS", "") not in ("", "0")
+
+
+def _nan_where_out_of_range(xp, values, labels, n_classes, ignore_index=None):
+    """values with NaN at the samples whose label is outside [0, n_classes) (device labels)."""
+    bad = (labels < 0) | (labels >= n_classes)
+    if ignore_index is not None:
+        bad &= labels != ignore_index
+    # a Python NaN: a weak scalar keeps values' dtype, and costs no upload
+    return xp.where(bad.reshape(bad.shape + (1,) * (values.ndim - bad.ndim)), float("nan"), values)
+
+
 def _check_index_labels(op, labels, batch_shape, n_classes, logits_shape, ignore_index=None):
-    """Validates integer labels; returns them as an array. ignore_index values pass unchecked."""
+    """Validates integer labels; returns them as an array. ignore_index values pass unchecked.
+
+    The range is checked here for host labels, and for device labels only with
+    ``host_label_checks()`` (see there)."""
     shape = tuple(getattr(labels, "shape", ()))
     dtype = getattr(labels, "dtype", None)
     if dtype is None or not numpy.issubdtype(dtype, numpy.integer):
@@ -126,7 +157,7 @@ def _check_index_labels(op, labels, batch_shape, n_classes, logits_shape, ignore
     if shape != tuple(batch_shape):
         raise ValueError(f"{op}: labels of shape {shape} do not match logits of shape {tuple(logits_shape)}: "
                          f"expected labels of shape {tuple(batch_shape)}")
-    if labels.size:
+    if labels.size and (isinstance(labels, numpy.ndarray) or host_label_checks()):
         bad = (labels < 0) | (labels >= n_classes)
         if ignore_index is not None:
             bad &= labels != ignore_index
@@ -227,7 +258,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     if x.ndim == 2 and w is None and not s:
         # The common case (N, C) with plain labels: the fused primitive, no (N, C) target.
         per = SparseSoftmaxCrossEntropyWithLogits()(input, safe)
-        if not bool(valid.all()):
+        if xp is not numpy or not bool(valid.all()):  # on the GPU masking costs less than asking
             per = Mul()(per, valid.astype(dtype))
         return _reduce(per, reduction, valid.sum(), xp, dtype)
     # Weighted or smoothed or N-d: loss = -sum_c T[c] * log p[c] with a constant target T.
@@ -238,6 +269,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     if w is not None:
         target_p = target_p * w.reshape(at_class_axis)
     target_p = target_p * xp.expand_dims(valid, axis).astype(dtype)
+    if xp is not numpy:  # an out-of-range label matches no class: make its loss NaN, never silently 0
+        target_p = _nan_where_out_of_range(xp, target_p, xp.expand_dims(t, axis), n_classes, ignore_index)
     per = Neg()(ReduceSum()(Mul()(LogSoftmax(axis)(input), target_p), axis))
     denominator = valid.sum() if w is None else (w[safe] * valid).sum()
     return _reduce(per, reduction, denominator, xp, dtype)

@@ -162,10 +162,17 @@ class BatchNorm(Primitive):
         count = x.size // max(channels, 1)
         local = xp.empty(channels + 1, dtype=dtype if dtype.itemsize >= 4 else xp.dtype(xp.float32))
         local[:channels] = _channel_sum(xp, axis, x)
-        local[channels] = count
-        total = self.sum_over_batch(local)
-        if total is not local:  # summed over other blocks too: the count is theirs as well
-            count = int(round(float(total[channels])))
+        if xp is numpy:
+            local[channels] = count
+            total = self.sum_over_batch(local)
+            if total is not local:  # summed over other blocks too: the count is theirs as well
+                count = int(round(float(total[channels])))
+        else:
+            # On the GPU, reading a summed count back would stall the device at every
+            # BatchNorm: the count is a host number, and it is summed on the host.
+            local[channels] = 0
+            total = self.sum_over_batch(local)
+            count = self.count_over_batch(count)
         if count < 2:
             got = f"input of shape {tuple(x.shape)}"
             if total is not local:
@@ -187,6 +194,12 @@ class BatchNorm(Primitive):
         y = _affine(xp, xc, self.scale * self.inv_std, bias, axis=axis)
         self._update_running(mean, variance, batch_mean, batch_var, count)
         return y
+
+    def count_over_batch(self, count):
+        """The number of values per channel over the whole batch, from this call's ``count``
+        (a host int); a call holds its whole batch here. The GPU path's seam for the count
+        (see forward): minidl_parallel's SyncBatchNormOp sums it over its group on the host."""
+        return count
 
     def sum_over_batch(self, sums):
         """The per-channel ``sums`` of this call's block, summed over the whole batch.

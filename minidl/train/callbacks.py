@@ -25,6 +25,7 @@ import time
 
 import numpy
 
+from ..backend import get_device_target
 from ..runtime import get_runtime
 from ..tensor import Tensor
 
@@ -264,8 +265,13 @@ class LossMonitor(Callback):
         loss = loss_value(cb_params.net_outputs)
         cur_step_in_epoch = cb_params.get("cur_step_in_epoch") or (cb_params.cur_step_num - 1) % cb_params.batch_num + 1
         if loss is not None and not numpy.isfinite(loss):
+            hint = ""
+            if get_device_target() == "GPU":
+                hint = (" On the GPU a class label outside [0, classes) also gives a NaN loss (the range check "
+                        "would cost a host synchronisation per step); MINIDL_CHECK_LABELS=1 checks labels on the "
+                        "host and names the first bad one.")
             raise ValueError(f"epoch: {cb_params.cur_epoch_num} step: {cur_step_in_epoch}. "
-                             f"Invalid loss {str(loss)}, terminating training.")
+                             f"Invalid loss {str(loss)}, terminating training.{hint}")
         if self._per_print_times and cb_params.cur_step_num - self._last_print_time >= self._per_print_times:
             self._last_print_time = cb_params.cur_step_num
             if self._prints():

@@ -90,7 +90,8 @@ def test_float32_training_keeps_dtype_and_uses_three_collectives():
 
     for dx, dg, dm, count in run_threads(2, body):
         assert dx == dg == dm == np.float32
-        assert count == 6  # two layers' calls: 2 forward + 1 backward each
+        # two layers' calls: 2 forward + 1 backward each, and on the GPU the count on the host
+        assert count == (6 if minidl.backend.get_device_target() == "CPU" else 8)
 
 
 def test_needs_two_values_per_channel_over_all_ranks():
@@ -143,5 +144,27 @@ def test_the_op_is_batchnorm_with_only_its_sums_changed():
     from minidl import ops
     from minidl_parallel.sync_batchnorm import SyncBatchNormOp
     own = {name for name in vars(SyncBatchNormOp) if not (name.startswith("__") and name.endswith("__"))}
-    assert own == {"sum_over_batch"}
+    assert own == {"sum_over_batch", "count_over_batch"}
     assert SyncBatchNormOp.forward is ops.BatchNorm.forward and SyncBatchNormOp.backward is ops.BatchNorm.backward
+
+
+def test_sync_batchnorm_on_the_device_never_syncs_the_host(on_the_double):
+    """Its count is summed on the host (count_over_batch): reading the summed count back from the
+    device would stall a real GPU at every BatchNorm layer, twice per step."""
+    from minidl.testing import cupy_double
+    x = np.random.default_rng(3).standard_normal((2, 2, 3, 3))
+
+    def body():
+        bn = SyncBatchNorm(2)
+        bn.set_train(True)
+        r = resolve_communicator("test", None).rank
+        gx, = minidl.grad(lambda t: (bn(t) * bn(t)).sum(), 0)(Tensor(x[r:r + 1]))
+        return gx.data, bn.moving_mean.data
+
+    with cupy_double.count_host_syncs() as syncs:
+        results = run_threads(2, body)
+    assert syncs.total == 0, syncs.by_reason
+    for gx, mean in results:
+        assert isinstance(gx, cupy_double.ndarray)
+        # two forward calls, each moving the mean 10% of the way to the GLOBAL batch's mean
+        np.testing.assert_allclose(mean.get(), 0.19 * x.mean(axis=(0, 2, 3)), rtol=1e-6)  # float32 statistics

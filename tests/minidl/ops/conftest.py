@@ -5,25 +5,7 @@ import contextlib
 
 import pytest
 
-import minidl
 from minidl import backend
-from minidl.testing import cupy_double
-
-
-@pytest.fixture
-def on_the_double(monkeypatch):
-    """minidl's GPU path on the double, also in the normal (CPU) suite; restored afterwards.
-
-    Yields the double's ``cupy`` module (monkeypatch its functions to spy on the GPU path)."""
-    if backend._cupy and backend._cupy is not cupy_double.cupy_module():
-        pytest.skip("a real CuPy is in use: its arrays are not the double's")
-    # Asked before the double is in: a device target not yet fixed would default to the GPU it shows.
-    before = backend.get_device_target()
-    monkeypatch.setattr(backend, "_cupy", cupy_double.cupy_module())
-    backend.set_context("GPU")
-    minidl.set_seed(0)
-    yield cupy_double.cupy_module()
-    backend.set_context(before)
 
 
 @contextlib.contextmanager

@@ -92,7 +92,8 @@ def test_large_logits_stay_finite():
 
 
 @pytest.mark.parametrize("label", [-1, 3])
-def test_sparse_label_out_of_range(label):
+def test_sparse_label_out_of_range(label, monkeypatch):
+    monkeypatch.setenv("MINIDL_CHECK_LABELS", "1")  # the device-pinned suite checks on the host too
     with pytest.raises(ValueError, match=rf"SparseSoftmaxCrossEntropyWithLogits: label {label} is out of range "
                                          rf"for 3 classes"):
         ops.sparse_softmax_cross_entropy(Tensor(np.zeros((2, 3))), Tensor(np.array([0, label])))
@@ -165,7 +166,8 @@ def test_cross_entropy_float32():
     assert x.grad.dtype == np.float32
 
 
-def test_cross_entropy_errors():
+def test_cross_entropy_errors(monkeypatch):
+    monkeypatch.setenv("MINIDL_CHECK_LABELS", "1")  # the device-pinned suite checks on the host too
     x = Tensor(np.zeros((2, 3)))
     with pytest.raises(ValueError, match=r"cross_entropy: label 3 is out of range for 3 classes"):
         ops.cross_entropy(x, Tensor(np.array([0, 3])))
@@ -196,3 +198,32 @@ def test_mse_loss_broadcasts_and_checks_reduction():
     check_backward(lambda x, y: ops.mse_loss(x, y), [x, np.array([1.0, 0.0, 2.0])])
     with pytest.raises(ValueError, match=r"mse_loss: reduction must be one of"):
         ops.mse_loss(Tensor(x), Tensor(x), reduction="max")
+
+
+def test_device_labels_out_of_range_give_nan_without_a_host_sync(on_the_double):
+    """On the GPU the range check would read a device value back every step: by default a bad
+    label makes its sample's loss and gradient NaN instead (never a wrapped, silently wrong
+    gather), and the other samples stay exact."""
+    from minidl.testing import cupy_double
+    x = np.random.default_rng(0).standard_normal((3, 4))
+    for fn in (lambda t, y: ops.sparse_softmax_cross_entropy(t, y),
+               lambda t, y: ops.cross_entropy(t, y, reduction="none"),
+               lambda t, y: ops.cross_entropy(t, y, reduction="none", label_smoothing=0.1)):
+        good = Tensor(x, requires_grad=True)
+        want = fn(good, Tensor(np.array([1, 2, 0])))
+        want.sum().backward()
+        t = Tensor(x, requires_grad=True)
+        with cupy_double.count_host_syncs() as syncs:
+            loss = fn(t, Tensor(np.array([1, 7, 0])))  # 7: out of range for 4 classes (CuPy would wrap to 3)
+            loss.sum().backward()
+        assert syncs.total == 0, syncs.by_reason
+        got, g = loss.asnumpy(), t.grad.asnumpy()
+        assert np.isnan(got[1]) and np.all(np.isnan(g[1]) | (g[1] == 0)) and np.isnan(g[1]).any()
+        np.testing.assert_allclose(got[[0, 2]], want.asnumpy()[[0, 2]], rtol=1e-12)
+        np.testing.assert_allclose(g[[0, 2]], good.grad.asnumpy()[[0, 2]], rtol=1e-12)
+
+
+def test_device_labels_are_checked_on_the_host_when_asked(on_the_double, monkeypatch):
+    monkeypatch.setenv("MINIDL_CHECK_LABELS", "1")
+    with pytest.raises(ValueError, match="label 7 is out of range for 4 classes"):
+        ops.sparse_softmax_cross_entropy(Tensor(np.zeros((2, 4))), Tensor(np.array([0, 7])))

@@ -151,6 +151,9 @@ class _TwoCopies(ops.BatchNorm):
     def sum_over_batch(self, sums):
         return 2 * sums
 
+    def count_over_batch(self, count):  # the GPU path's count (the CPU's travels with the sums)
+        return 2 * count
+
 
 @pytest.mark.parametrize("fmt, shape", [("NCHW", (3, 2, 2, 2)), ("NHWC", (3, 2, 2, 2)), ("NCHW", (4, 3))])
 def test_sum_over_batch_is_the_seam_of_every_cross_batch_sum(fmt, shape):

@@ -51,3 +51,16 @@ def _mpirun_with_args(n, args):
     """mpirun of the example with arguments (the suite's runner takes a script only)."""
     script = ROOT / "tests" / "mpi" / "run_dist_options.py"
     return mpirun(n, script, 300, DIST_OPTIONS_ARGS=json.dumps(args))
+
+
+@pytest.mark.cpu_only
+def test_under_the_launcher_without_mpirun(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "MINIDL_DEVICE"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-m", "minidl_parallel.run", "--allow-run-as-root", "-n", "2", "--log-dir",
+                          str(tmp_path / "logs"), str(EXAMPLE), "--dist-option", "partialUpdate", "--threshold",
+                          "100000", "--epochs", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "partialUpdate on 2 rank(s)" in out.stdout and "epoch 1: loss" in out.stdout  # rank 0, streamed
+    assert "epoch 1: loss" in (tmp_path / "logs" / "rank.0" / "stdout").read_text()
+    assert (tmp_path / "logs" / "rank.1" / "stdout").exists()  # rank 1 prints nothing of its own here

@@ -7,6 +7,7 @@ import numpy
 
 from .. import ops
 from ..backend import get_array_module, to_device, to_numpy
+from ..ops.loss import _nan_where_out_of_range, host_label_checks
 from ..tensor import Tensor
 from .cell import Cell
 
@@ -166,15 +167,19 @@ class CrossEntropyLoss(LossBase):
         y = y.reshape(-1)
         valid = y != self.ignore_index
         safe = xp.where(valid, y, 0)
-        out_of_range = (safe < 0) | (safe >= n_classes)
-        if bool(out_of_range.any()):
-            bad = sorted(set(to_numpy(safe[out_of_range]).tolist()))
-            raise ValueError(f"CrossEntropyLoss: labels {bad[:5]} are outside [0, {n_classes}) "
-                             f"(ignore_index={self.ignore_index})")
-        all_valid = bool(valid.all())
+        on_device = xp is not numpy
+        # Asking whether a device label is out of range reads a value back: a host
+        # synchronisation every step. By default device labels are not asked about; a bad one
+        # makes its sample's loss NaN below instead (host_label_checks() turns the check on).
+        if not on_device or host_label_checks():
+            out_of_range = (safe < 0) | (safe >= n_classes)
+            if bool(out_of_range.any()):
+                bad = sorted(set(to_numpy(safe[out_of_range]).tolist()))
+                raise ValueError(f"CrossEntropyLoss: labels {bad[:5]} are outside [0, {n_classes}) "
+                                 f"(ignore_index={self.ignore_index})")
         if self.weight is None and self.label_smoothing == 0.0:
-            per = self.sparse_ce(x, Tensor._wrap(safe))
-            if not all_valid:
+            per = self.sparse_ce(x, Tensor._wrap(safe))  # on the device: NaN where safe is out of range
+            if on_device or not bool(valid.all()):  # on the device masking costs less than asking
                 per = self.mul(per, Tensor._wrap(valid.astype(dtype)))
             return per, valid.sum().astype(dtype)
         # Weighted or smoothed: a constant target matrix T, loss = -sum_c T[n, c] * log p[n, c].
@@ -185,6 +190,9 @@ class CrossEntropyLoss(LossBase):
         if w is not None:
             target = target * w[None, :]
         target = target * valid.astype(dtype)[:, None]
+        if on_device:  # an out-of-range label matches no class: its loss is NaN, never silently 0
+            target = _nan_where_out_of_range(xp, target, safe, n_classes)
+            safe = xp.clip(safe, 0, n_classes - 1)  # w[safe] in range (its sample's loss is NaN already)
         per = self.neg(self.reduce_sum(self.mul(self.log_softmax(x), Tensor._wrap(target)), 1))
         picked = valid.astype(dtype) if w is None else w[safe] * valid.astype(dtype)
         return per, picked.sum()

@@ -21,7 +21,9 @@ Example:
     ...         if run_context.original_args().cur_step_num == 10:
     ...             run_context.request_stop()
 """
+import threading
 import time
+import weakref
 
 import numpy
 
@@ -209,6 +211,27 @@ for _name in _HOOKS:
     setattr(CallbackList, _name, _dispatch(_name))
 
 
+_last_read = threading.local()  # per thread: a threads world trains one rank per thread
+
+
+def _read_once(loss):
+    """``loss.asnumpy()``, read from the device once per step's loss Tensor.
+
+    On the GPU each read is a host synchronisation; several callbacks read the same loss
+    (LossMonitor, the log_file's MetricsLogger, the progress bar), and should cost one, not
+    one each. Only the last Tensor read (in this thread) is remembered, with its array, so
+    a Tensor whose ``data`` was replaced is read again (a step's loss is a fresh Tensor that
+    nothing writes in place)."""
+    if isinstance(loss.data, numpy.ndarray):  # on the CPU reading is free: nothing to remember
+        return loss.asnumpy()
+    last = getattr(_last_read, "entry", None)
+    if last is not None and last[0]() is loss and last[1] is loss.data:
+        return last[2]
+    value = loss.asnumpy()
+    _last_read.entry = (weakref.ref(loss), loss.data, value)
+    return value
+
+
 def loss_value(net_outputs):
     """The loss of a step as a NumPy scalar of the loss's dtype (so it prints as MindSpore's,
     e.g. ``2.3025854`` for float32), or None when the outputs hold no loss."""
@@ -216,7 +239,7 @@ def loss_value(net_outputs):
     if isinstance(loss, (tuple, list)) and loss:
         loss = loss[0]
     if isinstance(loss, Tensor):
-        loss = loss.asnumpy()
+        loss = _read_once(loss)
     if isinstance(loss, numpy.ndarray) or isinstance(loss, numpy.generic):
         loss = numpy.asarray(loss)
         return loss.dtype.type(loss.mean()) if loss.size else None
@@ -268,8 +291,8 @@ class LossMonitor(Callback):
             hint = ""
             if get_device_target() == "GPU":
                 hint = (" On the GPU a class label outside [0, classes) also gives a NaN loss (the range check "
-                        "would cost a host synchronisation per step); MINIDL_CHECK_LABELS=1 checks labels on the "
-                        "host and names the first bad one.")
+                        "would cost a host synchronisation per step); set the environment variable "
+                        "MINIDL_CHECK_LABELS=1 to check labels on the host: it raises naming the first bad one.")
             raise ValueError(f"epoch: {cb_params.cur_epoch_num} step: {cur_step_in_epoch}. "
                              f"Invalid loss {str(loss)}, terminating training.{hint}")
         if self._per_print_times and cb_params.cur_step_num - self._last_print_time >= self._per_print_times:

@@ -162,7 +162,8 @@ def test_cross_entropy_float32_and_int32_labels():
     assert y.item() == pytest.approx(ce_ref(x.astype(np.float64), labels), rel=1e-5)
 
 
-def test_cross_entropy_errors():
+def test_cross_entropy_errors(monkeypatch):
+    monkeypatch.setenv("MINIDL_CHECK_LABELS", "1")  # the device-pinned suite checks on the host too
     loss = nn.CrossEntropyLoss()
     x = Tensor(np.zeros((2, 3), np.float32))
     with pytest.raises(ValueError, match=r"CrossEntropyLoss: labels \[3, 7\] are outside \[0, 3\)"):
@@ -187,3 +188,37 @@ def test_cross_entropy_reference_agrees_with_hand_formula():
     expected = (1 - s) * -np.log(0.7) + s / 3 * -(np.log(0.7) + np.log(0.2) + np.log(0.1))
     assert ce_ref(x, np.array([0]), smoothing=s) == pytest.approx(expected)
     assert ce_ref(x, np.array([[1.0, 0.0, 0.0]]), smoothing=s) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("kw", [{}, {"ignore_index": 2}, {"weight": np.array([1.0, 2.0, 0.5, 1.5])},
+                                {"label_smoothing": 0.1}], ids=["plain", "ignore_index", "weight", "smoothing"])
+def test_cross_entropy_device_labels_out_of_range_give_nan_without_a_host_sync(on_the_double, kw):
+    """Checking device labels' range would read a value back every step: by default a bad label
+    makes its sample's loss and logits' gradient NaN instead (never a wrapped gather or a silent
+    0), the other samples stay exact, and an ignored label stays ignored."""
+    from minidl.testing import cupy_double
+    x = np.random.default_rng(0).standard_normal((4, 4))
+    good, bad = np.array([1, 2, 0, 3]), np.array([1, 7, 0, -1])  # 7 and -1: out of range for 4 classes
+    loss = nn.CrossEntropyLoss(reduction="none", **kw)
+    want_t = Tensor(x, requires_grad=True)
+    want = loss(want_t, Tensor(good))
+    want.sum().backward()
+    t = Tensor(x, requires_grad=True)
+    with cupy_double.count_host_syncs() as syncs:
+        got = loss(t, Tensor(bad))
+        got.sum().backward()
+        mean = nn.CrossEntropyLoss(**kw)(Tensor(x), Tensor(bad))
+    assert syncs.total == 0, syncs.by_reason
+    got, g = got.asnumpy(), t.grad.asnumpy()
+    assert np.isnan(got[[1, 3]]).all() and np.isnan(g[[1, 3]]).all(), (got, g)
+    np.testing.assert_allclose(got[[0, 2]], want.asnumpy()[[0, 2]], rtol=1e-12)
+    np.testing.assert_allclose(g[[0, 2]], want_t.grad.asnumpy()[[0, 2]], rtol=1e-12)
+    assert np.isnan(mean.asnumpy()), "a bad label must show in the reduced loss"
+
+
+def test_cross_entropy_device_labels_are_checked_on_the_host_when_asked(on_the_double, monkeypatch):
+    monkeypatch.setenv("MINIDL_CHECK_LABELS", "1")
+    with pytest.raises(ValueError, match=r"CrossEntropyLoss: labels \[-1, 7\] are outside \[0, 4\)"):
+        nn.CrossEntropyLoss()(Tensor(np.zeros((3, 4))), Tensor(np.array([0, 7, -1])))
+    monkeypatch.setenv("MINIDL_CHECK_LABELS", "0")  # read at each call: "0" turns it back off
+    assert np.isnan(nn.CrossEntropyLoss()(Tensor(np.zeros((3, 4))), Tensor(np.array([0, 7, -1]))).asnumpy())

@@ -91,7 +91,7 @@ class DistributedOptimizer:
         return getattr(self.optimizer, name)
 
 
-def _tensors(params, who):
+def _tensors(params):
     """Horovod accepts a dict (sorted by name, as Horovod does), (name, tensor) pairs or tensors."""
     if isinstance(params, dict):
         return [t for _, t in sorted(params.items(), key=lambda kv: kv[0])]
@@ -107,7 +107,7 @@ def broadcast_parameters(params, root_rank=0, comm=None):
     ``params``: ``net.parameters_dict()``, ``net.parameters_and_names()`` or a list of
     Parameters, the same on every rank. Returns the number of broadcasts (fused buffers).
     """
-    return broadcast_tensors(_tensors(params, "broadcast_parameters"), root=root_rank, comm=comm,
+    return broadcast_tensors(_tensors(params), root=root_rank, comm=comm,
                              who="broadcast_parameters")
 
 

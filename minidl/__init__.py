@@ -5,7 +5,7 @@
 """
 from . import _allocator
 from ._intra_op import get_num_threads, set_num_threads
-from .backend import set_context, get_context, set_seed, get_seed
+from .backend import set_context, get_context, set_seed, get_seed, GRAPH_MODE, PYNATIVE_MODE
 from .tensor import (Tensor, Parameter, no_grad, is_grad_enabled,
                      float16, float32, float64, int8, int32, int64, uint8, bool_)
 from .autograd import value_and_grad, grad
@@ -23,6 +23,6 @@ _allocator.tune()
 __version__ = "0.1.0"
 
 __all__ = ["Tensor", "Parameter", "no_grad", "is_grad_enabled", "value_and_grad", "grad",
-           "set_context", "get_context", "set_seed", "get_seed", "set_num_threads", "get_num_threads", "ops", "nn", "common", "dataset", "train", "Model",
+           "set_context", "get_context", "GRAPH_MODE", "PYNATIVE_MODE", "set_seed", "get_seed", "set_num_threads", "get_num_threads", "ops", "nn", "common", "dataset", "train", "Model",
            "save_checkpoint", "load_checkpoint", "load_param_into_net", "load_checkpoint_metadata",
            "float16", "float32", "float64", "int8", "int32", "int64", "uint8", "bool_"]

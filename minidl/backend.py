@@ -11,6 +11,14 @@ import numpy
 
 # device_target: None until first asked; chosen: set by set_context or $MINIDL_DEVICE (else defaulted)
 _state = {"device_target": None, "chosen": False, "seed": None}
+
+# MindSpore's execution modes, under its names and values (``minidl.GRAPH_MODE``). Both run eagerly
+# today: GRAPH_MODE is accepted so that MindSpore scripts run unchanged, and a compiled (recorded and
+# replayed) path will be proven equal to the eager one before it is used (docs/graph_mode.md).
+GRAPH_MODE = 0
+PYNATIVE_MODE = 1
+# What set_context stores besides the device; the values are MindSpore's defaults.
+_settings = {"mode": PYNATIVE_MODE, "save_graphs": 0, "save_graphs_path": "."}
 _rng_local = threading.local()
 _cupy = None  # the cupy module once imported, False when it is not importable
 _cupy_error = None  # why not, when it is not: shown to the user who asks for the GPU
@@ -45,13 +53,31 @@ def gpu_unavailable_reason():
     return f"CuPy is installed but CUDA failed: {type(exc).__name__}: {exc}"
 
 
-def set_context(device_target=None, device_id=None):
-    """Selects where new tensors live: ``"CPU"`` (NumPy) or ``"GPU"`` (CuPy).
+def set_context(device_target=None, device_id=None, mode=None, save_graphs=None, save_graphs_path=None):
+    """Sets the context, as ``mindspore.set_context``: where new tensors live, the execution mode,
+    and whether to save the parallel plan.
 
     Args:
-        device_target: "CPU" or "GPU" (case-insensitive).
+        device_target: "CPU" (NumPy) or "GPU" (CuPy), case-insensitive.
         device_id: the CUDA device to use on GPU (default: the current one).
+        mode: ``minidl.PYNATIVE_MODE`` (1, the default) or ``minidl.GRAPH_MODE`` (0). Both run
+            eagerly today (see docs/graph_mode.md); the results do not depend on it.
+        save_graphs: False/0 (default), True or a level 1-3: under tensor parallelism, the first
+            step of each network (and of each new input shape) writes its parallel plan, the text
+            of ``minidl_parallel.explain``, into ``save_graphs_path``/rank_<r>/.
+        save_graphs_path: the folder for saved plans (default "."; made when first written).
+
+    Example:
+        >>> minidl.set_context(mode=minidl.GRAPH_MODE, device_target="CPU")
     """
+    if mode is not None and (isinstance(mode, bool) or mode not in (GRAPH_MODE, PYNATIVE_MODE)):
+        raise ValueError(f"set_context: mode must be minidl.GRAPH_MODE ({GRAPH_MODE}) or minidl.PYNATIVE_MODE "
+                         f"({PYNATIVE_MODE}), got {mode!r}")
+    if save_graphs is not None and not (isinstance(save_graphs, bool) or
+                                        (isinstance(save_graphs, int) and 0 <= save_graphs <= 3)):
+        raise ValueError(f"set_context: save_graphs must be a bool or an int from 0 to 3, got {save_graphs!r}")
+    if save_graphs_path is not None and not isinstance(save_graphs_path, (str, os.PathLike)):
+        raise TypeError(f"set_context: save_graphs_path must be a str or a path, got {type(save_graphs_path).__name__}")
     if device_target is not None:
         target = str(device_target).upper()
         if target not in ("CPU", "GPU"):
@@ -64,13 +90,22 @@ def set_context(device_target=None, device_id=None):
         if get_device_target() != "GPU":
             raise ValueError("set_context: device_id is only meaningful with device_target='GPU'")
         _import_cupy().cuda.Device(int(device_id)).use()
+    if mode is not None:
+        _settings["mode"] = mode
+    if save_graphs is not None:
+        _settings["save_graphs"] = int(save_graphs)
+    if save_graphs_path is not None:
+        _settings["save_graphs_path"] = os.fspath(save_graphs_path)
 
 
 def get_context(key):
-    """Returns a context value; only ``"device_target"`` is defined."""
-    if key != "device_target":
-        raise ValueError(f"get_context: unknown key {key!r}; expected 'device_target'")
-    return get_device_target()
+    """Returns a context value: "device_target", "mode", "save_graphs" (0-3) or "save_graphs_path"."""
+    if key == "device_target":
+        return get_device_target()
+    if key not in _settings:
+        raise ValueError(f"get_context: unknown key {key!r}; expected one of "
+                         f"{['device_target'] + sorted(_settings)}")
+    return _settings[key]
 
 
 def get_device_target():

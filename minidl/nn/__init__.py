@@ -8,6 +8,7 @@
 from .cell import Cell, SequentialCell, CellList
 from .layers import (ReLU, Sigmoid, Tanh, Softmax, LogSoftmax, get_activation, Dense, Flatten, Dropout,
                      Identity, Conv2d, BatchNorm1d, BatchNorm2d, MaxPool2d, AvgPool2d)
+from .layers.attention import MultiheadAttention
 from .loss import LossBase, SoftmaxCrossEntropyWithLogits, CrossEntropyLoss, MSELoss, L1Loss
 from ..optim import (Optimizer, SGD, Momentum, LearningRateSchedule, ExponentialDecayLR, CosineDecayLR,
                      PolynomialDecayLR, WarmUpLR, PiecewiseConstantLR, piecewise_constant_lr,
@@ -20,3 +21,4 @@ __all__ = ["Cell", "SequentialCell", "CellList",
            "Optimizer", "SGD", "Momentum", "LearningRateSchedule", "ExponentialDecayLR", "CosineDecayLR",
            "PolynomialDecayLR", "WarmUpLR", "PiecewiseConstantLR", "piecewise_constant_lr",
            "exponential_decay_lr", "cosine_decay_lr", "warmup_lr"]
+__all__ += ["MultiheadAttention"]

@@ -35,7 +35,7 @@ from .. import context
 from ..agreement import describe_ranks, disagreement
 from ..collectives import AllGather, AllReduce, Broadcast, ReduceScatter
 from . import counter
-from .explain import recording
+from .explain import recording, saving_plan
 from .executor import GroupCache, Redistribute
 from .layout import Layout
 from .parameters import place_parameter
@@ -280,9 +280,12 @@ def _partial_axes_of_gradient(sharding, k):
 def _wrap_backward(node, sharding, positions, comm):
     """Runs the op's backward in the backward phase, then all-reduces its partial input gradients."""
     reductions = {}
+    needs = getattr(node, "needs_grad", None)
     for k, i in enumerate(positions):
         axes = _partial_axes_of_gradient(sharding, k)
-        if axes:
+        # An input that takes no gradient (a mask, a constant) must not cost a collective, even
+        # when the op's backward returns one for it.
+        if axes and (needs is None or needs[i]):
             reductions[i] = (sharding.in_layouts[k], axes)
     local_backward = node.backward
 
@@ -319,11 +322,13 @@ def run_cell(cell, args, kwargs):
         st.root = cell
     st.depth += 1
     try:
-        out = cell.construct(*args, **kwargs)
+        if outermost:
+            with saving_plan(cell, list(args) + list(kwargs.values()), comm.rank, settings):
+                out = _complete(cell.construct(*args, **kwargs), comm)
+        else:
+            out = cell.construct(*args, **kwargs)
     finally:
         st.depth -= 1
-    if outermost:
-        out = _complete(out, comm)
     return out
 
 

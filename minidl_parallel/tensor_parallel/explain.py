@@ -13,11 +13,15 @@ Example (8 ranks, MindSpore's quickstart):
       in 1  (32, 16)  parameter placed as (b, -) on [2, 4]: block (8, 16)
       out   (16, 16)  (a, -) on [2, 4] +sum(b): block (8, 16)
 """
+import contextlib
+import os
 import threading
+import weakref
 
-from minidl.tensor import no_grad
+from minidl import backend
+from minidl.tensor import Tensor, no_grad
 
-__all__ = ["explain", "recording", "Recorder"]
+__all__ = ["explain", "recording", "Recorder", "saving_plan"]
 
 _tls = threading.local()
 
@@ -82,3 +86,36 @@ def explain(net, *inputs, rank0_only=True):
     if not rank0_only or context.get_rank() == 0:
         print(text)
     return text
+
+
+@contextlib.contextmanager
+def saving_plan(cell, args, rank, settings):
+    """Around the outermost call of ``cell``: with ``set_context(save_graphs=True)``, records the plan
+    of its first call (and of each new input signature) and writes it to
+    ``save_graphs_path/rank_<rank>/``, as MindSpore saves its IR when a graph is first compiled.
+
+    The context is read here, at the moment of use: setting save_graphs between steps takes effect.
+    """
+    if not backend.get_context("save_graphs") or recording() is not None:
+        yield
+        return
+    signature = tuple((tuple(a.shape), str(a.dtype)) for a in args if isinstance(a, Tensor))
+    saved = _tls.__dict__.setdefault("saved", weakref.WeakKeyDictionary())  # per rank (thread)
+    seen = saved.setdefault(cell, set())
+    if signature in seen:
+        yield
+        return
+    recorder = _tls.recorder = Recorder()
+    try:
+        yield
+    finally:
+        _tls.recorder = None
+    seen.add(signature)
+    _tls.count = getattr(_tls, "count", 0) + 1
+    folder = os.path.join(backend.get_context("save_graphs_path"), f"rank_{rank}")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"parallel_plan_{_tls.count:02d}_{type(cell).__name__}.txt")
+    header = (f"# {type(cell).__name__} on rank {rank}: {settings['parallel_mode']}, inputs "
+              f"{', '.join(f'{shape} {dtype}' for shape, dtype in signature)}\n")
+    with open(path, "w") as f:
+        f.write(header + recorder.text() + "\n")

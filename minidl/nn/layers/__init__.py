@@ -4,6 +4,8 @@ from .basic import Dense, Flatten, Dropout, Identity
 from .conv import Conv2d
 from .normalization import BatchNorm1d, BatchNorm2d
 from .pooling import MaxPool2d, AvgPool2d
+from .attention import MultiheadAttention
 
 __all__ = ["ReLU", "Sigmoid", "Tanh", "Softmax", "LogSoftmax", "get_activation", "Dense", "Flatten", "Dropout",
            "Identity", "Conv2d", "BatchNorm1d", "BatchNorm2d", "MaxPool2d", "AvgPool2d"]
+__all__ += ["MultiheadAttention"]

@@ -9,7 +9,11 @@ gathering every result to full arrays so the two runs can be compared.
 Layers (``h`` is the running activation, 2-d ``(batch, features)``):
     {"op": "matmul", "out": m, "transpose_b": bool, "strategy": ((b, k), (k, n)) or None}
     {"op": "bias", "strategy": ((b, d), (d,)) or None}
-    {"op": "unary", "fn": "relu" | "tanh" | "sigmoid" | "exp" | "neg" | "square", "strategy": ((b, d),) or None}
+    {"op": "unary", "fn": "relu" | "tanh" | "sigmoid" | "exp" | "neg" | "square" | "gelu" | "gelu_tanh" | "silu"
+           | "leaky_relu", "strategy": ((b, d),) or None}
+    {"op": "layernorm", "strategy": ((b, 1), (1,), (1,)) or None}   over the features, with gamma and beta
+    {"op": "clamp", "strategy": ((b, d),) or None}                   clamped to [-0.5, 0.5]
+    {"op": "cumsum", "reverse": bool, "strategy": ((b, 1),) or None} along the features
     {"op": "mul", "strategy": ((b, d), (b, d)) or None}              h * h
     {"op": "softmax", "log": bool, "strategy": ((b, d),) or None}
     {"op": "transpose", "strategy": ((b, d),) or None}               transposed and back
@@ -30,7 +34,8 @@ from minidl import nn, ops, Parameter, Tensor
 __all__ = ["ChainNet", "ChainLoss", "init_arrays", "run_single", "run_rank", "compare_runs"]
 
 _UNARY = {"relu": ops.ReLU, "tanh": ops.Tanh, "sigmoid": ops.Sigmoid, "exp": ops.Exp, "neg": ops.Neg,
-          "square": ops.Square}
+          "square": ops.Square, "gelu": lambda: ops.GeLU(approximate="none"), "gelu_tanh": ops.GeLU,
+          "silu": ops.SiLU, "leaky_relu": lambda: ops.LeakyReLU(0.1)}
 
 
 def _shard(prim, strategy):
@@ -52,6 +57,14 @@ class _Layer(nn.Cell):
             self.prim = _shard(_UNARY[spec["fn"]](), s)
         elif self.kind == "mul":
             self.prim = _shard(ops.Mul(), s)
+        elif self.kind == "layernorm":
+            self.gamma = Parameter(arrays[f"g{index}"].copy(), name=f"g{index}")
+            self.beta = Parameter(arrays[f"be{index}"].copy(), name=f"be{index}")
+            self.prim = _shard(ops.LayerNorm(begin_norm_axis=-1, begin_params_axis=-1, epsilon=1e-5), s)
+        elif self.kind == "clamp":
+            self.prim = _shard(ops.Clamp(), s)
+        elif self.kind == "cumsum":
+            self.prim = _shard(ops.CumSum(reverse=spec.get("reverse", False)), s)
         elif self.kind == "softmax":
             self.prim = _shard((ops.LogSoftmax if spec.get("log") else ops.Softmax)(axis=-1), s)
         elif self.kind == "transpose":
@@ -72,6 +85,12 @@ class _Layer(nn.Cell):
             return self.prim(h, self.bias)
         if self.kind == "mul":
             return self.prim(h, h)
+        if self.kind == "layernorm":
+            return self.prim(h, self.gamma, self.beta)
+        if self.kind == "clamp":
+            return self.prim(h, -0.5, 0.5)
+        if self.kind == "cumsum":
+            return self.prim(h, 1)
         if self.kind == "transpose":
             return self.back(self.prim(h, (1, 0)), (1, 0))
         if self.kind == "reshape":
@@ -101,6 +120,9 @@ def init_arrays(layers, features, seed=0, dtype=np.float64):
             arrays[f"w{i}"] = (rng.standard_normal(shape) / np.sqrt(d)).astype(dtype)
         elif spec["op"] == "bias":
             arrays[f"b{i}"] = rng.standard_normal(d).astype(dtype)
+        elif spec["op"] == "layernorm":
+            arrays[f"g{i}"] = (1 + 0.1 * rng.standard_normal(d)).astype(dtype)
+            arrays[f"be{i}"] = (0.1 * rng.standard_normal(d)).astype(dtype)
     return arrays
 
 

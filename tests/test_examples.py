@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from cifar_files import write_cifar_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,3 +52,14 @@ def test_example_reports_a_missing_data_path(tmp_path):
     out = subprocess.run([sys.executable, "examples/resnet_cifar.py", "--data-path", str(tmp_path / "nope")],
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "nope" in out.stderr
+
+
+@pytest.mark.cpu_only  # a fresh process: it would look for the machine's own CuPy, not the device double
+def test_gpt_char_example_learns_and_samples():
+    out = subprocess.run([sys.executable, "examples/gpt_char.py", "--steps", "40", "--eval-every", "20",
+                          "--sample", "20"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    train = [float(l.split("train loss ")[1].split()[0]) for l in out.stdout.splitlines() if "train loss" in l]
+    assert len(train) == 3 and train[-1] < train[0] - 0.5  # from ln(56) = 4.0 towards the text's statistics
+    sample = out.stdout.split("--- sample ---\n")[1]
+    assert sample.startswith("From fairest cre") and len(sample) == 16 + 20 + 1  # prompt, sample, print's newline

@@ -9,10 +9,14 @@ from .cell import Cell, SequentialCell, CellList
 from .layers import (ReLU, Sigmoid, Tanh, Softmax, LogSoftmax, get_activation, Dense, Flatten, Dropout,
                      Identity, Conv2d, BatchNorm1d, BatchNorm2d, MaxPool2d, AvgPool2d)
 from .layers.attention import MultiheadAttention
+from .layers import GELU, LeakyReLU, SiLU, LayerNorm, GroupNorm, Embedding
+from .layers import Conv2dTranspose
+from .loss import NLLLoss
 from .loss import LossBase, SoftmaxCrossEntropyWithLogits, CrossEntropyLoss, MSELoss, L1Loss
 from ..optim import (Optimizer, SGD, Momentum, LearningRateSchedule, ExponentialDecayLR, CosineDecayLR,
                      PolynomialDecayLR, WarmUpLR, PiecewiseConstantLR, piecewise_constant_lr,
                      exponential_decay_lr, cosine_decay_lr, warmup_lr)
+from ..optim import Adam, AdamWeightDecay, LARS
 
 __all__ = ["Cell", "SequentialCell", "CellList",
            "ReLU", "Sigmoid", "Tanh", "Softmax", "LogSoftmax", "get_activation", "Dense", "Flatten", "Dropout",
@@ -22,3 +26,6 @@ __all__ = ["Cell", "SequentialCell", "CellList",
            "PolynomialDecayLR", "WarmUpLR", "PiecewiseConstantLR", "piecewise_constant_lr",
            "exponential_decay_lr", "cosine_decay_lr", "warmup_lr"]
 __all__ += ["MultiheadAttention"]
+__all__ += ["GELU", "LeakyReLU", "SiLU", "LayerNorm", "GroupNorm", "Embedding", "NLLLoss"]
+__all__ += ["Adam", "AdamWeightDecay", "LARS"]
+__all__ += ["Conv2dTranspose"]

@@ -1,4 +1,4 @@
-"""Loss cells: LossBase, SoftmaxCrossEntropyWithLogits, CrossEntropyLoss, MSELoss, L1Loss.
+"""Loss cells: LossBase, SoftmaxCrossEntropyWithLogits, CrossEntropyLoss, NLLLoss, MSELoss, L1Loss.
 
 Each loss computes a per-element (or per-sample) loss with the ops and then reduces it
 ('mean', 'sum' or 'none') in ``LossBase.get_loss``, as MindSpore's losses do.
@@ -216,6 +216,44 @@ class CrossEntropyLoss(LossBase):
     def extend_repr(self):
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction}, "
                 f"label_smoothing={self.label_smoothing}")
+
+
+class NLLLoss(LossBase):
+    """Negative log-likelihood of class indices under log-probabilities (``ops.NLLLoss``).
+
+    Args:
+        weight: optional per-class weights, shape (C,) (a constant, not learnt).
+        ignore_index: targets equal to it contribute nothing (default -100).
+        reduction: 'mean' (default: divides by the summed weights of the counted targets),
+            'sum' or 'none'.
+
+    Inputs:
+        logits: log-probabilities (N, C), (C,) or (N, C, d1, ...), e.g. ``nn.LogSoftmax(axis=1)``'s.
+        labels: integer class indices of the batch shape.
+
+    The reduction is the primitive's, so the cell runs on blocks under tensor parallelism (batch cut).
+
+    Example:
+        >>> loss = nn.NLLLoss()
+        >>> loss(nn.LogSoftmax()(logits), minidl.Tensor(np.array([1, 0], np.int32)))
+    """
+
+    def __init__(self, weight=None, ignore_index=-100, reduction="mean"):
+        super().__init__(reduction)
+        if weight is not None:
+            weight = weight if isinstance(weight, Tensor) else Tensor(weight)
+            if weight.ndim != 1:
+                raise ValueError(f"NLLLoss: weight must be 1-D (one per class), got shape {weight.shape}")
+        self.weight = weight  # a constant Tensor, not a Parameter: nothing learns it
+        self.nll = ops.NLLLoss(reduction, ignore_index)
+        self.ignore_index = ignore_index
+
+    def construct(self, logits, labels):
+        args = (logits, labels) if self.weight is None else (logits, labels, self.weight)
+        return self.nll(*args)
+
+    def extend_repr(self):
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction}"
 
 
 class MSELoss(LossBase):

@@ -39,11 +39,19 @@ of x), so x needs no second im2col. Strided convs left on the 6-D view use gy @ 
 for gw and column gradients + col2im (a loop over the kh*kw offsets only) for gx. 1x1,
 stride-1, unpadded convs (strided 1x1 ones after their phase split, a subsampling) are
 pure GEMMs on the input as it lies.
+
+Conv2DTranspose (the input gradient of a Conv2D, as an op of its own) is a readable
+reference on the same building blocks: forward is w^T times dout's rows and a col2im onto
+the image (_Windows.col2im); backward is a Conv2D forward of the output gradient
+(_correlate) and, from the same columns, the weight gradient (_correlate's ``times``).
 """
+import numbers
+
 from .. import _intra_op as intra_op
 from ..backend import get_array_module
 from ..tensor import is_grad_enabled
 from .primitive import Primitive
+from .linalg import BiasAdd
 from .im2col import _PAD_MODES, _is_int, _pair, _pad_mode, _window_axis, _Windows, _correlate, _Phases
 from . import winograd
 
@@ -74,36 +82,8 @@ class Conv2D(Primitive):
     def __init__(self, out_channel, kernel_size, mode=1, pad_mode="valid", pad=0, stride=1, dilation=1,
                  group=1, data_format="NCHW"):
         super().__init__()
-        op = "Conv2D"
-        if not _is_int(out_channel) or out_channel < 1:
-            raise ValueError(f"{op}: out_channel must be a positive int, got {out_channel!r}")
-        if mode != 1:
-            raise ValueError(f"{op}: mode must be 1 (cross-correlation), got {mode!r}")
-        if not _is_int(group) or group < 1:
-            raise ValueError(f"{op}: group must be a positive int, got {group!r}")
-        if out_channel % group:
-            raise ValueError(f"{op}: out_channel={out_channel} must be divisible by group={group}")
-        if data_format != "NCHW":
-            raise ValueError(f"{op}: data_format={data_format!r} is not supported; only 'NCHW' is")
-        self.out_channel = out_channel
-        self.kernel_size = _pair(op, "kernel_size", kernel_size)
-        self.stride = _pair(op, "stride", stride, allow_nchw4=True)
-        self.dilation = _pair(op, "dilation", dilation, allow_nchw4=True)
-        self.pad_mode = _pad_mode(op, pad_mode, _PAD_MODES)
-        if _is_int(pad):
-            pads = (pad,) * 4
-        elif isinstance(pad, (tuple, list)) and len(pad) == 4:
-            pads = tuple(pad)
-        else:
-            raise ValueError(f"{op}: pad must be an int or a (top, bottom, left, right) tuple, got {pad!r}")
-        if not all(_is_int(p) and p >= 0 for p in pads):
-            raise ValueError(f"{op}: pad values must be non-negative ints, got {pad!r}")
-        if self.pad_mode != "pad" and any(pads):
-            raise ValueError(f"{op}: pad={pad!r} needs pad_mode='pad', got pad_mode={pad_mode!r}")
-        self.pad = pads
-        self.group = group
-        self.mode = mode
-        self.data_format = data_format
+        _set_conv_attrs(self, "Conv2D", out_channel, kernel_size, mode, pad_mode, pad, stride, dilation, group,
+                        data_format)
 
     def _check(self, x, w):
         op, g = self.name, self.group
@@ -238,6 +218,159 @@ class Conv2D(Primitive):
         return gx, xp.ascontiguousarray(gw).reshape(w.shape)
 
 
+def _set_conv_attrs(prim, op, out_channel, kernel_size, mode, pad_mode, pad, stride, dilation, group, data_format):
+    """Checks and stores the attributes Conv2D and Conv2DTranspose share (MindSpore's names)."""
+    if not _is_int(out_channel) or out_channel < 1:
+        raise ValueError(f"{op}: out_channel must be a positive int, got {out_channel!r}")
+    if mode != 1:
+        raise ValueError(f"{op}: mode must be 1 (cross-correlation), got {mode!r}")
+    if not _is_int(group) or group < 1:
+        raise ValueError(f"{op}: group must be a positive int, got {group!r}")
+    if out_channel % group:
+        raise ValueError(f"{op}: out_channel={out_channel} must be divisible by group={group}")
+    if data_format != "NCHW":
+        raise ValueError(f"{op}: data_format={data_format!r} is not supported; only 'NCHW' is")
+    prim.out_channel = out_channel
+    prim.kernel_size = _pair(op, "kernel_size", kernel_size)
+    prim.stride = _pair(op, "stride", stride, allow_nchw4=True)
+    prim.dilation = _pair(op, "dilation", dilation, allow_nchw4=True)
+    prim.pad_mode = _pad_mode(op, pad_mode, _PAD_MODES)
+    if _is_int(pad):
+        pads = (pad,) * 4
+    elif isinstance(pad, (tuple, list)) and len(pad) == 4:
+        pads = tuple(pad)
+    else:
+        raise ValueError(f"{op}: pad must be an int or a (top, bottom, left, right) tuple, got {pad!r}")
+    if not all(_is_int(p) and p >= 0 for p in pads):
+        raise ValueError(f"{op}: pad values must be non-negative ints, got {pad!r}")
+    if prim.pad_mode != "pad" and any(pads):
+        raise ValueError(f"{op}: pad={pad!r} needs pad_mode='pad', got pad_mode={pad_mode!r}")
+    prim.pad = pads
+    prim.group = group
+    prim.mode = mode
+    prim.data_format = data_format
+
+
+class Conv2DTranspose(Primitive):
+    """2-D transposed convolution: the gradient of a Conv2D with respect to its input, as an op.
+
+    ``op(dout, w, input_size)`` spreads each pixel of dout, times w, over the window it came
+    from in an image of shape ``input_size``: the adjoint of ``Conv2D(out_channel, kernel_size,
+    ...)(x, w)`` for x of that shape. Upsampling layers (nn.Conv2dTranspose) use it. The
+    attributes describe that Conv2D, as in MindSpore (which spells the same op
+    Conv2DBackpropInput): out_channel is dout's channels, the output has w.shape[1] * group.
+
+    Args:
+        out_channel: the Conv2D's output channels: dout's channels and w.shape[0].
+        kernel_size, pad_mode, pad, mode, stride, dilation, group, data_format: the Conv2D's,
+            as ops.Conv2D takes them ('same' pads are computed from input_size).
+        pad_list: (top, bottom, left, right), or None; replaces pad with pad_mode='pad'
+            (MindSpore's primitive takes it; nn layers never need it).
+
+    Inputs:
+        dout: (N, out_channel, H, W).
+        w: (out_channel, C / group, kh, kw).
+        input_size: (N, C, Hi, Wi), the output's shape; the Conv2D must map (Hi, Wi) to (H, W).
+
+    Example:
+        >>> up = ops.Conv2DTranspose(out_channel=8, kernel_size=3, pad_mode="pad", pad=1, stride=2)
+        >>> up(Tensor(np.ones((2, 8, 4, 4))), Tensor(np.ones((8, 3, 3, 3))), (2, 3, 8, 8)).shape
+        (2, 3, 8, 8)
+    """
+
+    n_inputs = 3
+    n_tensor_inputs = 2  # dout and w; input_size is a shape
+
+    def __init__(self, out_channel, kernel_size, pad_mode="valid", pad=0, pad_list=None, mode=1, stride=1,
+                 dilation=1, group=1, data_format="NCHW"):
+        super().__init__()
+        op = "Conv2DTranspose"
+        _set_conv_attrs(self, op, out_channel, kernel_size, mode, pad_mode, pad, stride, dilation, group, data_format)
+        if pad_list is not None:
+            if (not isinstance(pad_list, (tuple, list)) or len(pad_list) != 4
+                    or not all(_is_int(p) and p >= 0 for p in pad_list)):
+                raise ValueError(f"{op}: pad_list must be None or (top, bottom, left, right) non-negative ints, "
+                                 f"got {pad_list!r}")
+            if self.pad_mode != "pad":
+                raise ValueError(f"{op}: pad_list={pad_list!r} needs pad_mode='pad', got pad_mode={pad_mode!r}")
+            self.pad = tuple(pad_list)
+
+    def _check(self, dout, w, input_size):
+        """input_size as a tuple, after checking that dout, w and it describe one Conv2D."""
+        op, g = self.name, self.group
+        if (not isinstance(input_size, (tuple, list))
+                or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in input_size)):
+            raise TypeError(f"{op}: input_size must be a tuple of 4 ints (N, C, H, W), got {input_size!r}")
+        size = tuple(int(v) for v in input_size)
+        if len(size) != 4 or min(size) < 1:
+            raise ValueError(f"{op}: input_size must be 4 positive ints (N, C, H, W), got {input_size!r}")
+        if dout.ndim != 4:
+            raise ValueError(f"{op}: dout must be 4-D (N, out_channel, H, W), got shape {tuple(dout.shape)}")
+        if w.ndim != 4:
+            raise ValueError(f"{op}: w must be 4-D (out_channel, C/group, kh, kw), got shape {tuple(w.shape)}")
+        n, c = size[:2]
+        if c % g:
+            raise ValueError(f"{op}: input_size={size} has {c} channels, not divisible by group={g}")
+        want = (self.out_channel, c // g) + self.kernel_size
+        if tuple(w.shape) != want:
+            raise ValueError(f"{op}: w of shape {tuple(w.shape)} does not fit input_size={size}: expected {want} "
+                             f"(out_channel={self.out_channel}, C/group={c}/{g}, kernel_size={self.kernel_size})")
+        if tuple(dout.shape[:2]) != (n, self.out_channel):
+            raise ValueError(f"{op}: dout of shape {tuple(dout.shape)} must have N={n} (input_size[0]) and "
+                             f"out_channel={self.out_channel} channels")
+        if dout.dtype != w.dtype:
+            raise TypeError(f"{op}: dout has dtype {dout.dtype} but w has dtype {w.dtype}; cast one of them")
+        return size
+
+    def forward(self, dout, w, input_size):
+        size = self._check(dout, w, input_size)
+        xp = get_array_module(dout, w)
+        n, c, h, wd = size
+        o, g, (kh, kw), (sh, sw), (dh, dw) = self.out_channel, self.group, self.kernel_size, self.stride, self.dilation
+        pt, pb, pl, pr = self.pad
+        where = f"input_size {size}"
+        oh, pt, pb = _window_axis(self.name, h, kh, sh, dh, self.pad_mode, pt, pb, where)
+        ow, pl, pr = _window_axis(self.name, wd, kw, sw, dw, self.pad_mode, pl, pr, where)
+        if (oh, ow) != tuple(dout.shape[2:]):
+            raise ValueError(f"{self.name}: dout of shape {tuple(dout.shape)} does not fit input_size={size}: the "
+                             f"Conv2D (kernel_size={self.kernel_size}, stride={self.stride}, dilation={self.dilation}, "
+                             f"pad_mode={self.pad_mode!r}, pad={self.pad}) maps {(h, wd)} to {(oh, ow)}, "
+                             f"not {tuple(dout.shape[2:])}")
+        # The bottom/right padding the windows really reach: less than the Conv2D's by the rows
+        # its stride left unread, negative where the windows stop short of the image's end
+        # (those rows of the output get nothing: zeros).
+        pb = (oh - 1) * sh + (kh - 1) * dh + 1 - pt - h
+        pr = (ow - 1) * sw + (kw - 1) * dw + 1 - pl - wd
+        win = _Windows(size, (kh, kw), (sh, sw), (dh, dw), (pt, pb, pl, pr), (oh, ow))
+        keep = is_grad_enabled()
+        self.win = win
+        self.dout, self.w = (dout, w) if keep else (None, None)
+        # Conv2D's forward multiplies w (O, K) by x's columns (K, m); its adjoint multiplies
+        # w^T (K, O) by dout's rows (O, m), giving the output's columns, which col2im sums back
+        # onto the image. Chunks of images keep the columns as large as Conv2D's own.
+        y = xp.empty(size, dtype=dout.dtype)
+        w3t = w.reshape(g, o // g, -1).swapaxes(1, 2)  # (G, C/G*kh*kw, O/G)
+        chunks, _ = win.chunking(xp, dout.dtype)
+        for n0, n1 in chunks:
+            rows = dout[n0:n1].transpose(1, 0, 2, 3).reshape(g, o // g, -1)  # (G, O/G, n*H*W)
+            cols = xp.matmul(w3t, rows)
+            y[n0:n1] = win.col2im(xp, cols.reshape((c, kh, kw, n1 - n0, oh, ow)))
+        return y
+
+    def backward(self, gy):
+        # dout's gradient is the Conv2D's forward of gy; w's is the correlation of gy's windows
+        # with dout: Conv2D's weight gradient with gy as its input and dout as its output
+        # gradient, taken from the same columns of gy (_correlate's ``times``).
+        xp = get_array_module(gy)
+        need_dout, need_w = self.needs_grad[:2]
+        if not need_w:
+            return _correlate(xp, gy, self.w, self.win, self.group), None, None
+        # (When only w needs a gradient the forward GEMM is wasted; a first decoder layer fed
+        # by a constant pays one extra conv.)
+        gdout, acc = _correlate(xp, gy, self.w, self.win, self.group, times=self.dout)
+        gw = xp.ascontiguousarray(acc.swapaxes(-1, -2)).reshape(self.w.shape)  # acc: (G, C/G*kh*kw, O/G)
+        return (gdout if need_dout else None), gw, None
+
 def conv2d(x, w, stride=1, pad_mode="valid", padding=0, dilation=1, groups=1):
     """Functional Conv2D; the output channels and kernel size are read from w.
 
@@ -251,4 +384,63 @@ def conv2d(x, w, stride=1, pad_mode="valid", padding=0, dilation=1, groups=1):
                   group=groups)(x, w)
 
 
-__all__ = ["Conv2D", "conv2d"]
+def _two(op, arg, value, low):
+    """An int or a pair of ints >= low, as a pair."""
+    v = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    if len(v) != 2 or not all(_is_int(e) and e >= low for e in v):
+        raise ValueError(f"{op}: {arg} must be an int or a pair of ints >= {low}, got {value!r}")
+    return v
+
+
+def conv_transpose2d(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+    """Functional transposed convolution with MindSpore 2.10's (and PyTorch's) signature.
+
+    Output size per axis: ``(H - 1) * stride - 2 * padding + dilation * (k - 1) + output_padding + 1``,
+    values as torch.nn.functional.conv_transpose2d.
+
+    Args:
+        input: (N, C_in, H, W).
+        weight: (C_in, C_out / groups, kh, kw).
+        bias: None or (C_out,).
+        stride, padding, dilation: int or (h, w) pair.
+        output_padding: int or pair, extra rows/columns at the bottom/right; less than stride
+            (PyTorch and MindSpore also allow it up to dilation - 1 where dilation > stride;
+            that case is not implemented here).
+        groups: channel groups; C_in must be divisible by it.
+
+    Example:
+        >>> ops.conv_transpose2d(Tensor(np.ones((1, 4, 5, 5))), Tensor(np.ones((4, 8, 3, 3)))).shape
+        (1, 8, 7, 7)
+    """
+    op = "conv_transpose2d"
+    shape, wshape = tuple(getattr(input, "shape", ())), tuple(getattr(weight, "shape", ()))
+    if len(shape) != 4:
+        raise ValueError(f"{op}: input must be 4-D (N, C_in, H, W), got shape {shape}")
+    if len(wshape) != 4:
+        raise ValueError(f"{op}: weight must be 4-D (C_in, C_out/groups, kh, kw), got shape {wshape}")
+    if not _is_int(groups) or groups < 1:
+        raise ValueError(f"{op}: groups must be a positive int, got {groups!r}")
+    s, d = _two(op, "stride", stride, 1), _two(op, "dilation", dilation, 1)
+    p, extra = _two(op, "padding", padding, 0), _two(op, "output_padding", output_padding, 0)
+    if shape[1] != wshape[0] or shape[1] % groups:
+        raise ValueError(f"{op}: input of shape {shape} has {shape[1]} channels; weight of shape {wshape} needs "
+                         f"C_in = weight.shape[0] = {wshape[0]}, divisible by groups={groups}")
+    for a in range(2):
+        if extra[a] >= max(s[a], d[a]):
+            raise ValueError(f"{op}: output_padding={output_padding!r} must be smaller than stride={stride!r} or "
+                             f"dilation={dilation!r}")
+        if extra[a] >= s[a]:
+            raise NotImplementedError(f"{op}: output_padding={output_padding!r} >= stride={stride!r} (allowed where "
+                                      f"dilation > stride) is not implemented; output_padding must be < stride")
+    size = [shape[0], wshape[1] * groups]
+    for a in range(2):
+        size.append((shape[2 + a] - 1) * s[a] - 2 * p[a] + d[a] * (wshape[2 + a] - 1) + extra[a] + 1)
+    if min(size[2:]) < 1:
+        raise ValueError(f"{op}: input of shape {shape} gives an empty output {tuple(size)}: padding={padding!r} "
+                         f"is too large")
+    y = Conv2DTranspose(wshape[0], wshape[2:], pad_mode="pad", pad=(p[0], p[0], p[1], p[1]), stride=s,
+                        dilation=d, group=groups)(input, weight, tuple(size))
+    return y if bias is None else BiasAdd()(y, bias)
+
+
+__all__ = ["Conv2D", "conv2d", "Conv2DTranspose", "conv_transpose2d"]

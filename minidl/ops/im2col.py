@@ -235,15 +235,18 @@ class _Windows:
     def col2im(self, xp, gcol):
         """Sums a chunk of column gradients (C, kh, kw, n, OH, OW) back onto its images.
 
-        Strided windows only (stride 1 takes its input gradient by correlation). Loops over
-        the kh*kw kernel offsets only; returns an (n, C, H, W) view with the padding cropped,
-        for the caller to copy into gx.
+        Conv2D uses it for strided windows only (stride 1 takes its input gradient by
+        correlation); Conv2DTranspose for any, with OW columns per row (no flat-row garbage).
+        Loops over the kh*kw kernel offsets only; returns an (n, C, H, W) view with the padding
+        cropped, for the caller to copy into gx. A negative bottom/right pad (windows that stop
+        short of the image's end) leaves zeros there.
         """
-        assert not self.flat
+        assert gcol.shape[-2:] == (self.oh, self.ow), gcol.shape
         (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.stride, self.dilation
         pt, pb, pl, pr = self.pads
         oh, ow = self.oh, self.ow
-        gpad = xp.zeros((self.c, gcol.shape[3], self.h + pt + pb, self.w + pl + pr), dtype=gcol.dtype)
+        rows, cols = self.h + pt + max(pb, 0), self.w + pl + max(pr, 0)
+        gpad = xp.zeros((self.c, gcol.shape[3], rows, cols), dtype=gcol.dtype)
         for i in range(kh):
             for j in range(kw):
                 hs = slice(i * dh, i * dh + sh * (oh - 1) + 1, sh)

@@ -1,5 +1,7 @@
-"""MatMul, BatchMatMul and BiasAdd: the dense-layer ops."""
+"""MatMul, BatchMatMul and BiasAdd: the dense-layer ops; ``matmul``, NumPy's matmul built on them."""
 from ..backend import get_array_module
+from ..tensor import Tensor
+from .array import ExpandDims, Squeeze
 from .primitive import Primitive, sum_to_shape
 
 
@@ -122,9 +124,45 @@ class BiasAdd(Primitive):
         return gy, gb
 
 
-def matmul(x, w, transpose_a=False, transpose_b=False):
-    """Functional MatMul (2-D)."""
-    return MatMul(transpose_a, transpose_b)(x, w)
+def matmul(input, other):  # noqa: A002 - MindSpore's parameter name
+    """The matrix product as NumPy's ``matmul`` (and ``@``): vectors and broadcast batches too.
+
+    A 1-D input becomes a row (1, k) and a 1-D other a column (k, 1), and that dimension is
+    dropped from the result: vector @ vector is a 0-d tensor. Two 2-D operands run as
+    ``MatMul``, anything with a batch as ``BatchMatMul`` (batch dimensions broadcast), so the
+    gradients, and the sharding rules under tensor parallelism, are theirs. As in MindSpore
+    2.10 (and PyTorch) both operands must have one dtype; the ``ops.MatMul`` primitive itself
+    stays 2-D only, with transpose_a / transpose_b.
+
+    Args:
+        input, other: tensors of rank >= 1 with equal inner dimensions.
+
+    Example:
+        >>> ops.matmul(Tensor(np.ones(3)), Tensor(np.ones((2, 3, 4)))).shape
+        (2, 4)
+    """
+    x, w = input, other
+    for name, a in (("input", x), ("other", w)):
+        if not isinstance(a, Tensor):
+            raise TypeError(f"matmul: {name} must be a Tensor, got {type(a).__name__}")
+    if x.ndim == 0 or w.ndim == 0:
+        raise ValueError(f"matmul: input and other must have at least 1 dimension, got shapes {x.shape} "
+                         f"and {w.shape}")
+    if x.dtype != w.dtype:
+        raise TypeError(f"matmul: input has dtype {x.dtype} but other has dtype {w.dtype}; cast one of them")
+    k1, k2 = x.shape[-1], w.shape[-2 if w.ndim > 1 else -1]
+    if k1 != k2:
+        raise ValueError(f"matmul: input of shape {x.shape} and other of shape {w.shape}: inner dimensions "
+                         f"{k1} and {k2} differ")
+    vec_x, vec_w = x.ndim == 1, w.ndim == 1
+    if vec_x:
+        x = ExpandDims()(x, 0)
+    if vec_w:
+        w = ExpandDims()(w, -1)
+    y = MatMul()(x, w) if x.ndim == 2 and w.ndim == 2 else BatchMatMul()(x, w)
+    if vec_x or vec_w:
+        y = Squeeze(tuple(a for a, vec in ((-2, vec_x), (-1, vec_w)) if vec))(y)
+    return y
 
 
 def batch_matmul(x, w, transpose_a=False, transpose_b=False):

@@ -7,6 +7,11 @@ in what they return: MindSpore's dense op returns ``(loss, backprop)`` and its s
 batch mean; here both return the per-sample loss of shape (N,) and the gradient comes from
 autograd. The ``nn`` losses apply the reduction.
 
+``NLLLoss`` (``nll_loss``) picks ``-log_probs[n, target[n]]`` from log-probabilities (the output
+of LogSoftmax), with class weights, an ignored index and label smoothing, and applies its
+reduction itself, as MindSpore's primitive does (which also returns the total weight; here the
+loss only).
+
 ``cross_entropy`` and ``mse_loss`` are compositions of primitives (log-softmax, Mul,
 ReduceSum, ...), so their gradients come for free.
 """
@@ -276,6 +281,112 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     return _reduce(per, reduction, denominator, xp, dtype)
 
 
+class NLLLoss(Primitive):
+    """Negative log-likelihood of class-index targets under log-probabilities, reduced.
+
+    ``loss[n] = -weight[t] * inputs[n, t]`` with ``t = target[n]`` (0 where t == ignore_index);
+    with label smoothing s, ``(1 - s) * loss[n] + s / C * -sum_c(weight[c] * inputs[n, c])``.
+
+    Args:
+        reduction: 'mean' (default; divides the sum by the summed weights of the counted
+            targets, as MindSpore and PyTorch do: NaN when every target is ignored), 'sum' or 'none'.
+        ignore_index: targets equal to it count nothing (default -100).
+        label_smoothing: s in [0, 1] (MindSpore's ``ops.nll_loss`` has it; its primitive does not).
+
+    Inputs:
+        inputs: log-probabilities (C,), (N, C) or (N, C, d1, ...); the class axis is 1 (0 for 1-D).
+        target: integers of the batch shape: (), (N,) or (N, d1, ...).
+        weight: optional per-class weights (C,), a constant (no gradient).
+
+    Returns the loss: a scalar, or of the batch shape for 'none'. A target out of range raises on
+    the host; on the GPU its loss is NaN (see ``host_label_checks``).
+
+    Example:
+        >>> ops.NLLLoss()(ops.log_softmax(logits), minidl.Tensor(np.array([1, 0])))
+    """
+
+    n_inputs = (2, 3)
+
+    def __init__(self, reduction="mean", ignore_index=-100, label_smoothing=0.0):
+        super().__init__()
+        _check_reduction(self.name, reduction)
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"{self.name}: ignore_index must be an int, got {ignore_index!r}")
+        if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+            raise TypeError(f"{self.name}: label_smoothing must be a float, got {label_smoothing!r}")
+        if not 0 <= label_smoothing <= 1:
+            raise ValueError(f"{self.name}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+        self.reduction, self.ignore_index, self.label_smoothing = reduction, ignore_index, float(label_smoothing)
+
+    def forward(self, x, target, weight=None):
+        op = self.name
+        if getattr(x, "ndim", 0) == 0:
+            raise ValueError(f"{op}: inputs must have a class dimension, got shape {tuple(getattr(x, 'shape', ()))}")
+        if not numpy.issubdtype(x.dtype, numpy.floating):
+            raise TypeError(f"{op}: inputs must be float log-probabilities, got dtype {x.dtype}")
+        xp = get_array_module(x, target)
+        self.axis = axis = 0 if x.ndim == 1 else 1
+        n_classes, dtype = x.shape[axis], x.dtype
+        batch_shape = x.shape[:axis] + x.shape[axis + 1:]
+        target = _check_index_labels(op, target, batch_shape, n_classes, x.shape, self.ignore_index)
+        if weight is not None and tuple(getattr(weight, "shape", ())) != (n_classes,):
+            raise ValueError(f"{op}: weight of shape {tuple(getattr(weight, 'shape', ()))} must be ({n_classes},), one "
+                             f"per class of inputs of shape {tuple(x.shape)}")
+        valid = target != self.ignore_index
+        # the picked class per sample: 0 where ignored (its weight is 0); in range on the device,
+        # where an out-of-range target is not checked (its loss becomes NaN below)
+        safe = xp.clip(xp.where(valid, target, 0), 0, n_classes - 1)
+        self.picked = xp.expand_dims(safe, axis)
+        w = valid.astype(dtype) if weight is None else weight.astype(dtype, copy=False)[safe] * valid
+        self.w_picked = w
+        per = -(w * xp.take_along_axis(x, self.picked, axis).reshape(batch_shape))
+        s = self.label_smoothing
+        if s:
+            self.smooth_w = self._class_vector(xp, weight, n_classes, dtype, x.ndim) * xp.expand_dims(valid, axis)
+            per = (1 - s) * per - s / n_classes * (x * self.smooth_w).sum(axis=axis)
+        self.bad = None
+        if xp is not numpy:
+            self.bad = ((target < 0) | (target >= n_classes)) & valid
+            per = xp.where(self.bad, float("nan"), per)
+        self.x_shape, self.n_classes = tuple(x.shape), n_classes
+        if self.reduction == "none":
+            return per.astype(dtype, copy=False)
+        total = per.sum()
+        if self.reduction == "mean":
+            self.denominator = w.sum()
+            total = total / self.denominator
+        return xp.asarray(total, dtype=dtype)
+
+    @staticmethod
+    def _class_vector(xp, weight, n_classes, dtype, ndim):
+        """The class weights (ones when None) shaped to broadcast along class axis 1 (0 for 1-D)."""
+        w = xp.ones(n_classes, dtype) if weight is None else weight.astype(dtype, copy=False)
+        return w.reshape((n_classes,) + (1,) * (ndim - 2)) if ndim > 1 else w
+
+    def backward(self, gy):
+        xp, axis = get_array_module(gy), self.axis
+        g = gy / self.denominator if self.reduction == "mean" else gy  # a scalar unless 'none'
+        s = self.label_smoothing
+        gx = xp.zeros(self.x_shape, gy.dtype)
+        picked = -(1 - s) * self.w_picked * g
+        xp.put_along_axis(gx, self.picked, xp.expand_dims(picked.astype(gy.dtype, copy=False), axis), axis)
+        if s:
+            gx -= (s / self.n_classes) * self.smooth_w * (xp.expand_dims(g, axis) if self.reduction == "none" else g)
+        if self.bad is not None:
+            gx = xp.where(xp.expand_dims(self.bad, axis), float("nan"), gx)
+        return gx, None, None
+
+
+def nll_loss(inputs, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+    """Negative log-likelihood of target under log-probabilities inputs (see NLLLoss).
+
+    Example:
+        >>> ops.nll_loss(ops.log_softmax(logits), labels)            # == ops.cross_entropy(logits, labels)
+    """
+    args = (inputs, target) if weight is None else (inputs, target, weight)
+    return NLLLoss(reduction, ignore_index, label_smoothing)(*args)
+
+
 def mse_loss(input, target, reduction="mean"):  # noqa: A002
     """Mean squared error ``(input - target) ** 2``, reduced ('mean', 'sum' or 'none'); broadcasts.
 
@@ -289,5 +400,5 @@ def mse_loss(input, target, reduction="mean"):  # noqa: A002
     return (ReduceMean() if reduction == "mean" else ReduceSum())(sq, ())
 
 
-__all__ = ['SoftmaxCrossEntropyWithLogits', 'SparseSoftmaxCrossEntropyWithLogits',
-           'softmax_cross_entropy', 'sparse_softmax_cross_entropy', 'cross_entropy', 'mse_loss']
+__all__ = ['SoftmaxCrossEntropyWithLogits', 'SparseSoftmaxCrossEntropyWithLogits', 'NLLLoss',
+           'softmax_cross_entropy', 'sparse_softmax_cross_entropy', 'cross_entropy', 'nll_loss', 'mse_loss']

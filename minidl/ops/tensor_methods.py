@@ -14,11 +14,10 @@ def _ops():
 
 
 def _matmul(x, y):
-    x_nd = x.ndim if isinstance(x, Tensor) else getattr(x, "ndim", 2)
-    y_nd = y.ndim if isinstance(y, Tensor) else getattr(y, "ndim", 2)
-    if x_nd == 2 and y_nd == 2:
-        return MM.matmul(x, y)
-    return MM.batch_matmul(x, y)
+    # An array operand (``tensor @ ndarray``) is taken as a tensor, as NumPy does.
+    x = x if isinstance(x, Tensor) or not hasattr(x, "ndim") else Tensor(x)
+    y = y if isinstance(y, Tensor) or not hasattr(y, "ndim") else Tensor(y)
+    return MM.matmul(x, y)
 
 
 def _sum(self, axis=None, keepdims=False):
@@ -31,6 +30,22 @@ def _max(self, axis=None, keepdims=False):
 
 def _mean(self, axis=None, keepdims=False):
     return _ops().reduce_mean(self, () if axis is None else axis, keepdims)
+
+
+def _argmax(self, dim=None, keepdim=False, *, axis=None, keepdims=None):
+    """As MindSpore's Tensor.argmax, which takes ops.argmax's (dim, keepdim) or (axis, keepdims)."""
+    return _ops().argmax(self, dim if axis is None else axis, keepdim if keepdims is None else keepdims)
+
+
+def _argmin(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+    """As MindSpore's Tensor.argmin (int32, like ops.argmin), with (dim, keepdim) accepted too."""
+    return _ops().argmin(self, axis if dim is None else dim, keepdims if keepdim is None else keepdim)
+
+
+def _cumsum(self, axis=None, dtype=None):
+    """As MindSpore's Tensor.cumsum: axis None sums the flattened tensor."""
+    x = self if axis is not None else _ops().reshape(self, (-1,))
+    return _ops().cumsum(x, 0 if axis is None else axis, dtype)
 
 
 def _reshape(self, *shape):
@@ -58,6 +73,8 @@ def install():
     T.__rtruediv__ = lambda a, b: M.div(b, a)
     T.__pow__ = lambda a, b: M.pow(a, b)
     T.__rpow__ = lambda a, b: M.pow(b, a)
+    T.__floordiv__ = lambda a, b: M.floor_div(a, b)
+    T.__rfloordiv__ = lambda a, b: M.floor_div(b, a)
     T.__matmul__ = _matmul
     T.__rmatmul__ = lambda a, b: _matmul(b, a)
     T.__neg__ = lambda a: M.neg(a)
@@ -83,3 +100,8 @@ def install():
     T.abs = lambda a: M.abs(a)
     T.relu = lambda a: M.relu(a)
     T.flatten = lambda a: _ops().flatten(a)
+    T.argmax = _argmax
+    T.argmin = _argmin
+    T.cumsum = _cumsum
+    T.clamp = lambda a, min=None, max=None: _ops().clamp(a, min, max)  # noqa: A006 - MindSpore's names
+    T.clip = T.clamp

@@ -18,7 +18,7 @@ from .executor import gather_full, local_block
 from .rules.base import StrategyError
 from .tensors import get_layout, set_layout
 
-__all__ = ["place_parameter", "whole", "block_of", "follow"]
+__all__ = ["place_parameter", "same_blocks", "whole", "block_of", "follow"]
 
 
 def place_parameter(param, layout, shape, rank, who):
@@ -32,11 +32,24 @@ def place_parameter(param, layout, shape, rank, who):
         param.data = xp.ascontiguousarray(local_block(param.data, layout, rank)).copy()
         set_layout(param, layout, shape, placed_by=who)
         return
-    if placement.layout != layout:
+    if placement.layout != layout and not same_blocks(placement.layout, layout, shape):
         first = placement.placed_by or "an earlier operator"
         raise StrategyError(f"{who}: parameter {param.name!r} of shape {tuple(shape)} is needed as {layout}, but "
                             f"{first} already placed it as {placement.layout}; a parameter shared by two operators "
                             f"needs the same strategy (the same cuts of that parameter) in both")
+
+
+def same_blocks(a, b, shape):
+    """Whether layouts ``a`` and ``b`` give every rank the same block of a tensor of ``shape``.
+
+    Two operators may describe one cut on different device matrices: a vocabulary-parallel
+    Gather cuts a tied embedding's rows along axis a of [2, 1, 1, 1], the head's MatMul along
+    axis c of [1, 1, 2]. Each rank holds rows r*V/2:(r+1)*V/2 in both, so the parameter is shared
+    as it is. Partial values are never the same blocks (a parameter is never partial).
+    """
+    if a.device_num != b.device_num or a.partial or b.partial:
+        return False
+    return all(a.local_slices(r, shape) == b.local_slices(r, shape) for r in range(a.device_num))
 
 
 def whole(tensor, comm, groups):

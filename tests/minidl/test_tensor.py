@@ -106,3 +106,13 @@ def test_set_context_validates():
 def test_set_seed_validates():
     with pytest.raises(ValueError, match="seed must be a non-negative int"):
         minidl.set_seed(-1)
+
+
+def test_operators_promote_as_mindspore_and_torch():
+    """An integer tensor or scalar never widens a float tensor; int * 2.5 is float32 (NumPy: float64)."""
+    f = Tensor(np.ones(2, np.float32))
+    i = Tensor(np.array([1, 2]))
+    for y in (f + i, i * f, f / i, i * 2.5, i / 2, i / i, 2.5 ** i, f - np.float64(1.0)):
+        assert y.dtype == np.float32, y
+    assert (i * 2).dtype == np.int64 and (i // 2).dtype == np.int64
+    assert (f * Tensor(np.ones(2))).dtype == np.float64  # two float tensors: the wider, as MindSpore

@@ -1,9 +1,12 @@
-"""BatchNorm2d and BatchNorm1d, with MindSpore's momentum convention.
+"""BatchNorm2d and BatchNorm1d, with MindSpore's momentum convention; LayerNorm and GroupNorm.
 
 MindSpore's layer ``momentum`` is the weight of the OLD moving statistic
 (moving = momentum * moving + (1 - momentum) * batch, default 0.9), while the primitive
 ``ops.BatchNorm`` takes the weight of the NEW batch statistic (PyTorch's convention), so the
 layer passes ``1 - momentum`` down.
+
+LayerNorm and GroupNorm normalise each sample by its own statistics: no moving statistics, the
+same computation in training and inference.
 """
 from ... import ops
 from ...tensor import float32
@@ -107,3 +110,102 @@ class BatchNorm1d(_BatchNorm):
 
     _ranks = (2, 3)
     _layout = "(N, C) or (N, C, L)"
+
+
+class LayerNorm(Cell):
+    """Layer normalisation: each sample normalised over its trailing axes, then scaled and shifted.
+
+    Args:
+        normalized_shape: the shape of gamma and beta, a tuple or list of ints (an int is taken
+            as a 1-tuple): the trailing part of the input's shape from begin_params_axis.
+        begin_norm_axis: the first normalised axis of the input (default -1: the last).
+        begin_params_axis: the first axis gamma and beta cover (default -1).
+        gamma_init, beta_init: initializers of the Parameters ``gamma`` and ``beta`` (MindSpore's
+            names; PyTorch's weight and bias).
+        epsilon: added to the variance (default 1e-7, MindSpore's; PyTorch's eps is 1e-5).
+        dtype: parameter dtype.
+
+    Example:
+        >>> ln = nn.LayerNorm((768,))
+        >>> ln(x).shape                     # x (N, T, 768): each (n, t) row has mean 0, variance 1
+    """
+
+    def __init__(self, normalized_shape, begin_norm_axis=-1, begin_params_axis=-1, gamma_init="ones",
+                 beta_init="zeros", epsilon=1e-7, dtype=float32):
+        super().__init__()
+        if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
+            normalized_shape = (normalized_shape,)
+        if not isinstance(normalized_shape, (tuple, list)) or not normalized_shape:
+            raise TypeError(f"LayerNorm: normalized_shape must be a non-empty tuple or list of ints, got "
+                            f"{normalized_shape!r}")
+        for n in normalized_shape:
+            check_positive_int("LayerNorm", "every entry of normalized_shape", n)
+        self.normalized_shape = tuple(normalized_shape)
+        self.layer_norm = ops.LayerNorm(begin_norm_axis, begin_params_axis, epsilon)
+        self.begin_norm_axis, self.begin_params_axis = begin_norm_axis, begin_params_axis
+        self.epsilon = self.layer_norm.epsilon
+        self.gamma = make_parameter("LayerNorm", "gamma_init", gamma_init, self.normalized_shape, dtype)
+        self.beta = make_parameter("LayerNorm", "beta_init", beta_init, self.normalized_shape, dtype)
+
+    def construct(self, x):
+        return self.layer_norm(x, self.gamma, self.beta)
+
+    def shard(self, strategy):
+        """Tensor parallelism: x's cuts (the normalised axes must stay whole); gamma and beta are cut
+        as the trailing axes of x they cover. Returns self.
+
+        Example:
+            >>> nn.LayerNorm((64,)).shard(((2, 4, 1),))     # x (N, T, 64): batch in 2, sequence in 4
+        """
+        (s_x,) = strategy
+        s_x = tuple(s_x)
+        s_p = s_x[len(s_x) - len(self.normalized_shape):]
+        self.layer_norm.shard((s_x, s_p, s_p))
+        return self
+
+    def extend_repr(self):
+        return (f"normalized_shape={self.normalized_shape}, begin_norm_axis={self.begin_norm_axis}, "
+                f"begin_params_axis={self.begin_params_axis}, epsilon={self.epsilon}")
+
+
+class GroupNorm(Cell):
+    """Group normalisation: the channels of each sample in num_groups groups, each group (with the
+    spatial axes) normalised by its own statistics, then a per-channel scale and shift.
+
+    Args:
+        num_groups: G, which must divide num_channels.
+        num_channels: C of inputs (N, C, *).
+        eps: added to the variance (default 1e-5).
+        affine: learn gamma and beta (False keeps them at their initial values).
+        gamma_init, beta_init: initializers of the Parameters ``gamma`` and ``beta`` (C,).
+        dtype: parameter dtype.
+
+    Example:
+        >>> gn = nn.GroupNorm(2, 4)
+        >>> gn(x)                           # x (N, 4, H, W): channels {0, 1} and {2, 3} normalised
+    """
+
+    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, gamma_init="ones", beta_init="zeros",
+                 dtype=float32):
+        super().__init__()
+        self.num_groups = check_positive_int("GroupNorm", "num_groups", num_groups)
+        self.num_channels = check_positive_int("GroupNorm", "num_channels", num_channels)
+        if num_channels % num_groups:
+            raise ValueError(f"GroupNorm: num_channels={num_channels} must be divisible by num_groups={num_groups}")
+        self.group_norm = ops.GroupNorm(num_groups, eps)
+        self.eps = self.group_norm.eps
+        self.affine = bool(affine)
+        shape = (num_channels,)
+        self.gamma = make_parameter("GroupNorm", "gamma_init", gamma_init, shape, dtype, requires_grad=self.affine)
+        self.beta = make_parameter("GroupNorm", "beta_init", beta_init, shape, dtype, requires_grad=self.affine)
+
+    def construct(self, x):
+        shape = tuple(x.shape)
+        if len(shape) < 2 or shape[1] != self.num_channels:
+            raise ValueError(f"GroupNorm: input of shape {shape} must be (N, C, ...) with C = num_channels = "
+                             f"{self.num_channels}")
+        return self.group_norm(x, self.gamma, self.beta)
+
+    def extend_repr(self):
+        return (f"num_groups={self.num_groups}, num_channels={self.num_channels}, eps={self.eps}, "
+                f"affine={self.affine}")

@@ -1,9 +1,11 @@
 """Sharding rules of elementwise operators, and the helpers the other rule modules share.
 
-Unary ops (Neg, Exp, ReLU, Cast, ...) keep their input's cuts. Binary ops broadcast as
-numpy does: dimensions are aligned from the right, each output dimension is one loop of
-the device matrix, and every input that has that dimension with size > 1 must cut it the
-same way; a size-1 dimension broadcast against a larger one must stay whole (cut 1).
+Unary ops (Neg, Exp, ReLU, Cast, ...) keep their input's cuts. Broadcasting ops (the binary
+ones, FloorDiv, and the three-operand Select and Clamp) broadcast as numpy does: dimensions
+are aligned from the right, each output dimension is one loop of the device matrix, and every
+input that has that dimension with size > 1 must cut it the same way; a size-1 dimension
+broadcast against a larger one must stay whole (cut 1). Clamp's bounds given as numbers (or
+None) are constants, so it is then unary in x.
 
 Example (8 devices): ``Add`` of x (16, 32) and a bias (32,) with strategy ((2, 4), (4,))
 runs on the device matrix [2, 4]: x is ``(a, b)``, the bias ``(b,)``, the output ``(a, b)``.
@@ -24,7 +26,7 @@ from ..layout import Layout
 from .base import (OpSharding, Rule, StrategyError, TensorSpec, check_counts, check_strategy_shape, device_matrix_for,
                    largest_cut, register, tensor_specs)
 
-__all__ = ["UnaryRule", "BinaryRule", "KeepWhere", "UNARY_OPS", "BINARY_OPS"]
+__all__ = ["UnaryRule", "BroadcastRule", "KeepWhere", "UNARY_OPS", "BINARY_OPS", "BROADCAST_OPS"]
 
 
 
@@ -47,9 +49,10 @@ class KeepWhere(Primitive):
 
 
 UNARY_OPS = (ops.Neg, ops.Exp, ops.Log, ops.Sqrt, ops.Square, ops.Abs, ops.ReLU, ops.Sigmoid, ops.Tanh, ops.Cast,
-             ops.ZerosLike, ops.OnesLike)
+             ops.ZerosLike, ops.OnesLike, ops.GeLU, ops.LeakyReLU, ops.SiLU)
 BINARY_OPS = (ops.Add, ops.Sub, ops.Mul, ops.RealDiv, ops.Maximum, ops.Minimum, ops.Pow, ops.Equal, ops.NotEqual,
-              ops.Less, ops.LessEqual, ops.Greater, ops.GreaterEqual, KeepWhere)
+              ops.Less, ops.LessEqual, ops.Greater, ops.GreaterEqual, ops.FloorDiv, KeepWhere)
+BROADCAST_OPS = BINARY_OPS + (ops.Select, ops.Clamp)  # any number of operands, broadcast together
 
 
 # ---- helpers shared by the rule modules -----------------------------------------------------
@@ -220,9 +223,13 @@ class UnaryRule(Rule):
         return first_accepted(self, prim, args, device_num, [(follow(spec, layouts[0]),)])
 
 
-@register(*BINARY_OPS)
-class BinaryRule(Rule):
-    """Elementwise ops of two operands with numpy broadcasting (see the module docstring)."""
+@register(*BROADCAST_OPS)
+class BroadcastRule(Rule):
+    """Elementwise ops whose operands broadcast together, however many (see the module docstring).
+
+    Operands that are not tensors (numbers, None) take no part; constant arrays are sliced to
+    each rank's block of the output.
+    """
 
     def infer(self, prim, args, strategy, device_num):
         strategy = tensor_strategy(args, strategy)

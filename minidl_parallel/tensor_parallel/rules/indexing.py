@@ -1,4 +1,5 @@
-"""Sharding rules of Concat, StridedSlice and GetItem: ops whose cut dimensions stay whole.
+"""Sharding rules of Concat, StridedSlice and GetItem (ops whose cut dimensions stay whole), and of
+Gather (embedding lookups, with Megatron's vocabulary-parallel table).
 
 Concat joins blocks along an axis that no strategy may cut; every other dimension must be cut
 the same way in every input, so each rank concatenates its blocks into its block of the output.
@@ -12,6 +13,19 @@ dimensions only; a Tensor index must be replicated.
 
 Example (4 devices): x (8, 6, 5) cut (2, 2, 1), ``x[:, None, :, 1:4]`` -> output (8, 1, 6, 3)
 laid out ``(a, -, b, -)``; ``x[1:5]`` is refused (dimension 0 is cut 2 but sliced 1:5).
+
+Gather(params, indices, axis), strategy ``(params' cuts, indices' cuts)``: every dimension of both
+is a loop of the device matrix, and the output ``params.shape[:axis] + indices.shape +
+params.shape[axis + 1:]`` keeps each one's cut. The indices may be cut any way (a batch of token
+ids). With params' gathered dimension whole (the table replicated, or cut along its embedding
+dimension) each rank gathers its block with no communication; the table's gradient is a sum
+over the rank's indices, partial over the indices' cuts, which the dispatcher reduces. With the
+gathered dimension cut v (Megatron's vocabulary-parallel embedding: each rank holds
+vocab / v rows), each rank looks up the indices falling in its row block, gives zero slices for
+the others (Gather's ``row_block``), and the output is a partial sum over that device axis.
+
+Example (8 devices): a (32000, 512) table cut ((4, 1)), ids (16, 128) cut (2, 1): device matrix
+[4, 1, 2, 1], output (16, 128, 512) laid out ``(c, -, -) +sum(a)``.
 """
 import numpy
 
@@ -20,11 +34,11 @@ from minidl.ops.primitive import normalize_axis
 from minidl.tensor import Tensor
 
 from ..layout import Layout
-from .base import (OpSharding, Rule, StrategyError, TensorSpec, check_strategy_shape, device_matrix_for, register,
-                   tensor_specs)
+from .base import (OpSharding, Rule, StrategyError, TensorSpec, check_strategy_shape, device_matrix_for, largest_cut,
+                   register, tensor_specs)
 from .elementwise import batch_cut, dims_map, first_accepted, follow
 
-__all__ = ["ConcatRule", "StridedSliceRule", "GetItemRule", "index_dims"]
+__all__ = ["ConcatRule", "StridedSliceRule", "GetItemRule", "GatherRule", "index_dims"]
 
 
 def _sharding(strategy, device_num, out_loops, extra=()):
@@ -252,3 +266,51 @@ class GetItemRule(_IndexRule):
     def index(self, prim, args, x):
         index = args[1]
         return index if isinstance(index, tuple) else (index,)
+
+
+# ---- Gather ---------------------------------------------------------------------------------
+
+@register(ops.Gather)
+class GatherRule(Rule):
+    """Gather(params, indices, axis): indices cut any way; params whole or vocabulary-parallel (module docstring)."""
+
+    @staticmethod
+    def _facts(prim, args):
+        params, indices = tensor_specs(args)[:2]
+        if params.ndim == 0:
+            raise ValueError(f"{prim.name}: params must have at least 1 dimension, got a 0-d tensor")
+        if len(args) < 3 or isinstance(args[2], TensorSpec):
+            raise StrategyError("the axis must be a Python int when Gather runs sharded")
+        axis = normalize_axis(prim.name, args[2], params.ndim)[0]
+        return params, indices, axis
+
+    def infer(self, prim, args, strategy, device_num):
+        check_strategy_shape(strategy, args)
+        params, indices, axis = self._facts(prim, args)
+        s_p, s_i = (tuple(s) for s in strategy)
+        dm, off, rep = device_matrix_for(s_p + s_i, device_num)
+        np_, ni = params.ndim, indices.ndim
+        out_loops = list(range(axis)) + list(range(np_, np_ + ni)) + list(range(axis + 1, np_))
+        v = s_p[axis]
+        partial = ((off + axis, "sum"),) if v > 1 else ()
+        out = Layout(dm, dims_map(off, out_loops), partial)
+        in_layouts = (Layout(dm, dims_map(off, range(np_))), Layout(dm, dims_map(off, range(np_, np_ + ni))))
+        local_attrs = _row_block(off + axis, params.shape[axis] // v, params.shape[axis]) if v > 1 else None
+        return OpSharding((s_p, s_i), in_layouts, out, rep, local_attrs=local_attrs)
+
+    def data_parallel(self, prim, args, device_num):
+        params, indices, _ = self._facts(prim, args)
+        s_i = (largest_cut(indices.shape[0], device_num),) + (1,) * (indices.ndim - 1) if indices.ndim else ()
+        return (1,) * params.ndim, s_i
+
+    def propagate(self, prim, args, layouts, device_num):
+        params, indices, _ = self._facts(prim, args)
+        s_p, s_i = follow(params, layouts[0]), follow(indices, layouts[1])
+        return first_accepted(self, prim, args, device_num, [(s_p, s_i), ((1,) * params.ndim, s_i)])
+
+
+def _row_block(vocab_axis, rows, total):
+    """``local_attrs(site)``: the block of ``rows`` rows (of ``total``) this rank's coordinate on vocab_axis holds."""
+    def local_attrs(site):
+        return {"row_block": (site.coords[vocab_axis] * rows, total)}
+    return local_attrs

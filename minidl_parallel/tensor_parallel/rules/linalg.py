@@ -11,6 +11,9 @@ x ``(a, b) on [2, 4, 1]``, w ``(b, -)`` and the output ``(a, -) +sum(b)``.
 BatchMatMul prepends the output's batch dimensions as loops of the device matrix (they
 broadcast as numpy's: a batch dimension of size 1 stays whole). BiasAdd follows x, the bias
 cut like x's channel dimension.
+
+``ops.matmul`` / ``@`` (NumPy's matmul, vectors included) has no rule of its own: it is a
+composite of ExpandDims, MatMul or BatchMatMul, and Squeeze, each sharded by its own rule.
 """
 from minidl import ops
 

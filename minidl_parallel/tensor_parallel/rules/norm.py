@@ -1,4 +1,5 @@
-"""Sharding rules of BatchNorm, its synchronised op and the fused BatchNormReLU: batch and channel cuts.
+"""Sharding rules of BatchNorm, its synchronised op and the fused BatchNormReLU (batch and channel
+cuts), and of LayerNorm and GroupNorm (per-sample statistics).
 
 Strategy ``((n, c, 1, 1), (c,), (c,), (c,), (c,))`` for (x, scale, bias, mean, variance), as
 MindSpore's; mean and variance may be absent (None) in training. The device matrix is
@@ -23,6 +24,18 @@ MindSpore's; mean and variance may be absent (None) in training. The device matr
   and ReLU, each with its own rule.
 
 H and W cuts would need spatial statistics across blocks too and are refused.
+
+LayerNorm and GroupNorm take each sample's statistics, so every dimension a statistic spans must
+stay whole, and the others keep their cuts with no communication:
+
+- LayerNorm ``(x, gamma, beta)``: the normalised dimensions (``begin_norm_axis`` on) whole; the
+  batch and sequence dimensions before them cut freely. gamma and beta cover x's trailing
+  dimensions from ``begin_params_axis`` and must be cut as x is there (whole, when they cover
+  only normalised dimensions). Their gradients are sums over the rank's block, partial over the
+  batch and sequence cuts, which the dispatcher reduces.
+- GroupNorm ``(x, gamma, beta)``, x (N, C, *): spatial dimensions whole; the batch cut freely;
+  the channels cut c only when c divides num_groups, so that each rank holds whole groups (it
+  then runs num_groups / c groups); gamma and beta cut like the channels.
 """
 from minidl import ops
 
@@ -30,9 +43,9 @@ from ...sync_batchnorm import SyncBatchNormOp
 from ..layout import Layout
 from .base import (Decomposed, OpSharding, Rule, StrategyError, TensorSpec, check_strategy_shape, device_matrix_for,
                    register, tensor_specs)
-from .elementwise import batch_cut, first_accepted, follow
+from .elementwise import batch_cut, dims_map, first_accepted, follow
 
-__all__ = ["BatchNormRule", "SyncBatchNormRule", "BatchNormReLURule"]
+__all__ = ["BatchNormRule", "SyncBatchNormRule", "BatchNormReLURule", "LayerNormRule", "GroupNormRule"]
 
 
 def _has_residual(args):
@@ -169,3 +182,87 @@ def _separate(prim, bn_strategy, s_x):
         y = bn(x, scale, bias, mean, variance)
         return relu(y if residual is None else add(y, residual))
     return fn
+
+
+# ---- LayerNorm and GroupNorm ---------------------------------------------------------------------
+
+@register(ops.LayerNorm)
+class LayerNormRule(Rule):
+    """LayerNorm: the normalised dimensions whole, gamma and beta cut as x's dimensions they cover."""
+
+    @staticmethod
+    def _axes(prim, args):
+        x, gamma, beta = tensor_specs(args)
+        norm_axes, p = prim.axes(x.ndim)
+        for name, a in (("gamma", gamma), ("beta", beta)):
+            if a.shape != x.shape[p:]:
+                raise ValueError(f"{prim.name}: {name} of shape {a.shape} must be x.shape[begin_params_axis="
+                                 f"{prim.begin_params_axis}:] = {x.shape[p:]} (x of shape {x.shape})")
+        return x, norm_axes, p
+
+    def infer(self, prim, args, strategy, device_num):
+        check_strategy_shape(strategy, args)
+        x, norm_axes, p = self._axes(prim, args)
+        s_x = tuple(strategy[0])
+        cut = [d for d in norm_axes if s_x[d] > 1]
+        if cut:
+            raise StrategyError(f"x's strategy {s_x} cuts dimension(s) {cut}, which LayerNorm normalises "
+                                f"(begin_norm_axis={prim.begin_norm_axis}); normalised dimensions must be whole")
+        for i, name in ((1, "gamma"), (2, "beta")):
+            if tuple(strategy[i]) != s_x[p:]:
+                raise StrategyError(f"input {i} ({name}) has strategy {tuple(strategy[i])}; it must be {s_x[p:]}, "
+                                    f"the cuts of the dimensions of x it covers (from {p})")
+        dm, off, rep = device_matrix_for(s_x, device_num)
+        x_lay = Layout(dm, dims_map(off, range(x.ndim)))
+        p_lay = Layout(dm, dims_map(off, range(p, x.ndim)))
+        return OpSharding(tuple(tuple(s) for s in strategy), (x_lay, p_lay, p_lay), x_lay, rep)
+
+    def data_parallel(self, prim, args, device_num):
+        x, norm_axes, p = self._axes(prim, args)
+        s_x = tuple(batch_cut(x, device_num) if d == 0 and d not in norm_axes else 1 for d in range(x.ndim))
+        return s_x, s_x[p:], s_x[p:]
+
+    def propagate(self, prim, args, layouts, device_num):
+        x, norm_axes, p = self._axes(prim, args)
+        s_x = follow(x, layouts[0], allowed=[d for d in range(x.ndim) if d not in norm_axes])
+        return first_accepted(self, prim, args, device_num, [(s_x, s_x[p:], s_x[p:])])
+
+
+@register(ops.GroupNorm)
+class GroupNormRule(Rule):
+    """GroupNorm: batch cut freely, channels cut in whole groups, spatial dimensions whole."""
+
+    def infer(self, prim, args, strategy, device_num):
+        check_strategy_shape(strategy, args)
+        x = tensor_specs(args)[0]
+        if x.ndim < 2:
+            raise ValueError(f"{prim.name}: x must be (N, C, ...), got shape {x.shape}")
+        s_x = tuple(strategy[0])
+        spatial = [d for d in range(2, x.ndim) if s_x[d] > 1]
+        if spatial:
+            raise StrategyError(f"x's strategy {s_x} cuts dimension(s) {spatial}: the group statistics span the "
+                                f"spatial dimensions, which must be whole")
+        c, g = s_x[1], prim.num_groups
+        if g % c:
+            raise StrategyError(f"the channels are cut {c}, which does not divide num_groups={g}: each rank must "
+                                f"hold whole groups")
+        for i, name in ((1, "gamma"), (2, "beta")):
+            if tuple(strategy[i]) != (c,):
+                raise StrategyError(f"input {i} ({name}) has strategy {tuple(strategy[i])}; it must be ({c},), "
+                                    f"the cut of x's channels")
+        dm, off, rep = device_matrix_for(s_x, device_num)
+        x_lay = Layout(dm, dims_map(off, range(x.ndim)))
+        vec = Layout(dm, ((off + 1,),))
+        return OpSharding(tuple(tuple(s) for s in strategy), (x_lay, vec, vec), x_lay, rep,
+                          local_attrs={"num_groups": g // c} if c > 1 else None)
+
+    def data_parallel(self, prim, args, device_num):
+        x = tensor_specs(args)[0]
+        return (batch_cut(x, device_num),) + (1,) * (x.ndim - 1), (1,), (1,)
+
+    def propagate(self, prim, args, layouts, device_num):
+        x = tensor_specs(args)[0]
+        s_x = follow(x, layouts[0], allowed=(0, 1))
+        whole_channels = (s_x[0], 1) + s_x[2:]
+        return first_accepted(self, prim, args, device_num,
+                              [(s_x, (s_x[1],), (s_x[1],)), (whole_channels, (1,), (1,))])

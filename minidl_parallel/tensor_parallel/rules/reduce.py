@@ -1,4 +1,4 @@
-"""Sharding rules of ReduceSum, ReduceMean, ReduceMax and ReduceMin.
+"""Sharding rules of ReduceSum, ReduceMean, ReduceMax and ReduceMin; Argmax, Argmin and CumSum.
 
 The device matrix is the input's cuts. Reducing over a whole (uncut) axis is a plain local
 reduction. Reducing over a cut axis leaves each rank with a part of the answer:
@@ -14,6 +14,10 @@ reduction. Reducing over a cut axis leaves each rank with a part of the answer:
 
 Integer inputs of ReduceMean and ReduceMin over cut axes (where the float decompositions
 would truncate or overflow differently) gather the reduced dimensions instead.
+
+Argmax / Argmin (an index into the whole axis) and CumSum (a scan along it) need their axis
+whole on every rank: a strategy must leave it cut 1; the other dimensions keep their cuts, and
+propagation moves any cut or partial axis off it.
 """
 from math import prod
 
@@ -27,10 +31,11 @@ from minidl.ops.reduce import ReduceMax, ReduceSum
 from minidl.tensor import is_grad_enabled, no_grad
 
 from ..layout import Layout
-from .base import Decomposed, OpSharding, Rule, check_strategy_shape, device_matrix_for, register, tensor_specs
+from .base import (Decomposed, OpSharding, Rule, StrategyError, check_strategy_shape, device_matrix_for, register,
+                   tensor_specs)
 from .elementwise import KeepWhere, dims_map, first_accepted, follow
 
-__all__ = ["ReduceRule", "PartialReduceMax"]
+__all__ = ["ReduceRule", "PartialReduceMax", "WholeAxisRule"]
 
 
 class PartialReduceMax(ReduceMax):
@@ -158,3 +163,38 @@ class ReduceMinRule(ReduceRule):
         neg_out = Neg().shard((plan.out_s,))
         return Decomposed(lambda x, *rest: neg_out(peak(neg_in(x), *rest)),
                           "ReduceMin over cut dimensions: -ReduceMax(-x)")
+
+
+@register(ops.Argmax, ops.Argmin, ops.CumSum)
+class WholeAxisRule(Rule):
+    """Argmax / Argmin (the axis is dropped from the output) and CumSum (same shape out): the axis
+    stays whole, every other dimension keeps its cut."""
+
+    @staticmethod
+    def _axis(prim, args):
+        (x,) = tensor_specs(args)
+        axis = prim.axis if isinstance(prim, (ops.Argmax, ops.Argmin)) else args[1]
+        return x, (normalize_axis(prim.name, axis, x.ndim)[0] if x.ndim else None)
+
+    def infer(self, prim, args, strategy, device_num):
+        check_strategy_shape(strategy, args)
+        x, axis = self._axis(prim, args)
+        s = tuple(strategy[0])
+        if axis is not None and s[axis] != 1:
+            raise StrategyError(f"dimension {axis} of input 0 is the {prim.name} axis and is cut {s[axis]}; it must be "
+                                f"whole (cut 1)")
+        dm, off, rep = device_matrix_for(s, device_num)
+        in_map = dims_map(off, range(x.ndim))
+        keeps = isinstance(prim, ops.CumSum) or axis is None
+        out_map = in_map if keeps else in_map[:axis] + in_map[axis + 1:]
+        return OpSharding((s,), (Layout(dm, in_map),), Layout(dm, out_map), rep)
+
+    def data_parallel(self, prim, args, device_num):
+        x, axis = self._axis(prim, args)
+        (s,) = super().data_parallel(prim, args, device_num)
+        return (tuple(1 if d == axis else c for d, c in enumerate(s)),)
+
+    def propagate(self, prim, args, layouts, device_num):
+        x, axis = self._axis(prim, args)
+        allowed = [d for d in range(x.ndim) if d != axis]
+        return first_accepted(self, prim, args, device_num, [(follow(x, layouts[0], allowed=allowed),)])

@@ -1,4 +1,4 @@
-"""Sharding rules of Transpose, Reshape, ExpandDims, Squeeze and Flatten.
+"""Sharding rules of Transpose, Reshape, ExpandDims, Squeeze, Flatten, Pad, Tile and BroadcastTo.
 
 These ops move no data between ranks: they rewrite the tensor map. Transpose permutes it,
 ExpandDims and Squeeze insert or remove whole size-1 dimensions. Reshape keeps a cut only
@@ -12,6 +12,13 @@ Example: x (8, 6) cut (2, 1) reshaped to (4, 2, 6): the group (8) -> (4, 2) lead
 divisible by 2, so the output is cut (2, 1, 1) and each rank reshapes its (4, 6) block to
 (2, 2, 6). With x cut (4, 1) and the target (2, 4, 6), the leading 2 is not divisible by 4:
 a StrategyError.
+
+Pad, Tile and BroadcastTo keep the cuts of the dimensions they leave alone: a padded
+dimension (pads other than (0, 0)) and a tiled one (multiple other than 1) must be whole;
+new leading dimensions (Tile's longer dims, BroadcastTo's longer shape) are whole. A
+broadcast dimension (size 1 -> n) is whole by itself: no cut > 1 divides 1. BroadcastTo's
+target shape becomes the local one. ``ops.split`` / ``ops.Split`` need no rule: they are
+StridedSlices, whose rule keeps the split axis whole (indexing.py).
 """
 import copy
 from math import prod
@@ -28,7 +35,8 @@ from .base import (Decomposed, OpSharding, Rule, StrategyError, check_strategy_s
                    tensor_specs)
 from .elementwise import batch_cut, dims_map, first_accepted, follow
 
-__all__ = ["TransposeRule", "ReshapeRule", "FlattenRule", "ExpandDimsRule", "SqueezeRule", "reshape_sources"]
+__all__ = ["TransposeRule", "ReshapeRule", "FlattenRule", "ExpandDimsRule", "SqueezeRule", "PadRule", "TileRule",
+           "BroadcastToRule", "reshape_sources"]
 
 
 def _single(strategy, args):
@@ -231,3 +239,84 @@ class SqueezeRule(Rule):
     def propagate(self, prim, args, layouts, device_num):
         (x,) = tensor_specs(args)
         return first_accepted(self, prim, args, device_num, [(follow(x, layouts[0]),)])
+
+
+class _KeepUntouched(Rule):
+    """A one-input op that must keep some dimensions of x whole and keeps the others' cuts.
+
+    Subclasses give ``whole(prim, args, x)``: {dimension of x: why it must be whole}, checking
+    the op's arguments with the op's own messages; and ``out_loops(prim, args, x)``: for each
+    output dimension, the dimension of x it continues, or None for a new (whole) one.
+    """
+
+    def whole(self, prim, args, x):
+        raise NotImplementedError
+
+    def out_loops(self, prim, args, x):
+        return list(range(x.ndim))
+
+    def infer(self, prim, args, strategy, device_num):
+        x, s = _single(strategy, args)
+        for d, why in self.whole(prim, args, x).items():
+            if s[d] > 1:
+                raise StrategyError(f"dimension {d} of x is cut {s[d]} but {why}; it must be whole (cut 1)")
+        return _sharding(strategy, device_num, self.out_loops(prim, args, x))
+
+    def data_parallel(self, prim, args, device_num):
+        (x,) = tensor_specs(args)
+        if x.ndim == 0:
+            return ((),)
+        c = 1 if 0 in self.whole(prim, args, x) else batch_cut(x, device_num)
+        return ((c,) + (1,) * (x.ndim - 1),)
+
+    def propagate(self, prim, args, layouts, device_num):
+        (x,) = tensor_specs(args)
+        whole = self.whole(prim, args, x)
+        cuts = follow(x, layouts[0], allowed=[d for d in range(x.ndim) if d not in whole])
+        return first_accepted(self, prim, args, device_num, [(cuts,)])
+
+
+@register(ops.Pad)
+class PadRule(_KeepUntouched):
+    """Pad(paddings)(x): padded dimensions whole, the others keep their cuts (their pads are (0, 0))."""
+
+    def whole(self, prim, args, x):
+        prim.windows(x.shape)  # checks the paddings against the global shape
+        return {d: f"padded by {p}" for d, p in enumerate(prim.paddings) if p != (0, 0)}
+
+
+@register(ops.Tile)
+class TileRule(_KeepUntouched):
+    """Tile(x, dims): dimensions tiled more than once (or 0 times) whole; new leading ones whole."""
+
+    def whole(self, prim, args, x):
+        dims, _ = prim.aligned(x.shape, args[1])
+        lead = len(dims) - x.ndim
+        return {d: f"tiled {m} times" for d, m in enumerate(dims[lead:]) if m != 1}
+
+    def out_loops(self, prim, args, x):
+        dims, _ = prim.aligned(x.shape, args[1])
+        return [None] * (len(dims) - x.ndim) + list(range(x.ndim))
+
+
+@register(ops.BroadcastTo)
+class BroadcastToRule(_KeepUntouched):
+    """BroadcastTo(shape)(x): x's dimensions keep their cuts (a broadcast one has size 1, so cut 1);
+    the target shape becomes the rank's block of it."""
+
+    def whole(self, prim, args, x):
+        prim.target(x.shape)  # checks shape against x's global shape
+        return {}  # a broadcast dimension has size 1: no cut > 1 divides it, so it is whole already
+
+    def out_loops(self, prim, args, x):
+        return [None] * (len(prim.shape) - x.ndim) + list(range(x.ndim))
+
+    def infer(self, prim, args, strategy, device_num):
+        sh = super().infer(prim, args, strategy, device_num)
+        x, s = _single(strategy, args)
+        if all(c == 1 for c in s):
+            return sh
+        target = prim.target(x.shape)
+        lead = len(target) - x.ndim
+        local = target[:lead] + tuple(n // c for n, c in zip(target[lead:], s))
+        return OpSharding(sh.strategy, sh.in_layouts, sh.out_layout, sh.repeat_axes, local_attrs={"shape": local})

@@ -1,4 +1,4 @@
-"""Sharding rules of Softmax, LogSoftmax, the two softmax cross-entropies and OneHot.
+"""Sharding rules of Softmax, LogSoftmax, the two softmax cross-entropies, NLLLoss and OneHot.
 
 A softmax over whole (uncut) axes runs locally. Over a cut axis it is decomposed into
 sharded primitives: the global max (a partial max, without gradient: softmax does not
@@ -6,6 +6,13 @@ depend on the shift), exp(x - max), its sum over the axis (a partial sum), then 
 or ``x - max - log(sum)``. The cross-entropies with the class dimension cut go through that
 LogSoftmax, a Mul with the labels and a ReduceSum over the classes; the sparse one first
 expands its labels with a OneHot cut like the logits.
+
+NLLLoss(inputs, target, weight) keeps the class dimension whole (a rank picks each sample's
+class from its own block) and the other dimensions cut as the strategy says, the target cut like
+them and the weight whole. 'none' gives the per-sample loss cut like the target; 'sum' a partial
+sum over the cut axes; 'mean' divides the sum by the summed weights of the counted targets of the
+WHOLE batch, so with a cut batch it runs as two sharded 'sum' NLLLosses (the loss, and the same
+op on log-probabilities of -1, whose sum is that denominator) and a division of the reduced scalars.
 
 OneHot's strategy, as MindSpore's, gives the OUTPUT's cuts (``((n, c), (), ())`` for
 indices (N,) and axis -1). With the classes cut in c, each rank builds its block of depth
@@ -15,8 +22,8 @@ give off_value, as out-of-range indices do in minidl's OneHot.
 from minidl import ops
 from minidl.backend import get_array_module
 from minidl.ops.activation import LogSoftmax
-from minidl.ops.array import Cast, OneHot
-from minidl.ops.loss import SoftmaxCrossEntropyWithLogits
+from minidl.ops.array import Cast, OneHot, OnesLike
+from minidl.ops.loss import NLLLoss, SoftmaxCrossEntropyWithLogits
 from minidl.ops.math import Exp, Log, Mul, Neg, RealDiv, Sub
 from minidl.ops.primitive import normalize_axis
 from minidl.ops.reduce import ReduceSum
@@ -28,7 +35,7 @@ from .base import (Decomposed, OpSharding, Rule, StrategyError, TensorSpec, chec
 from .elementwise import dims_map, first_accepted, follow
 from .reduce import PartialReduceMax
 
-__all__ = ["SoftmaxRule", "SoftmaxCrossEntropyRule", "SparseSoftmaxCrossEntropyRule", "OneHotRule"]
+__all__ = ["SoftmaxRule", "SoftmaxCrossEntropyRule", "SparseSoftmaxCrossEntropyRule", "NLLLossRule", "OneHotRule"]
 
 
 def _softmax_axes(prim, x):
@@ -185,6 +192,74 @@ def _check_labels(prim, labels, depth):
         first = int(y[(y < 0) | (y >= depth)].reshape(-1)[0])
         raise ValueError(f"{prim.name}: label {first} is out of range for {depth} classes "
                          f"(expected 0 <= label < {depth})")
+
+
+@register(NLLLoss)
+class NLLLossRule(Rule):
+    """NLLLoss: classes whole, other dimensions cut; 'mean' over a cut batch decomposed (module docstring)."""
+
+    @staticmethod
+    def _class_dim(args):
+        return 0 if tensor_specs(args)[0].ndim == 1 else 1
+
+    def infer(self, prim, args, strategy, device_num):
+        check_strategy_shape(strategy, args)
+        specs = tensor_specs(args)
+        x = specs[0]
+        k = self._class_dim(args)
+        strategy = tuple(tuple(s) for s in strategy)
+        s_x, s_t = strategy[:2]
+        if s_x[k] > 1:
+            raise StrategyError(f"the class dimension {k} of the log-probabilities is cut {s_x[k]}; NLLLoss needs "
+                                f"whole classes")
+        batch = s_x[:k] + s_x[k + 1:]
+        if s_t != batch:
+            raise StrategyError(f"the target's strategy {s_t} must be {batch}, the cuts of the log-probabilities' "
+                                f"dimensions other than the classes")
+        if len(strategy) > 2 and strategy[2] != (1,):
+            raise StrategyError(f"the weight's strategy {strategy[2]} must be (1,): class weights stay whole")
+        cut = any(c > 1 for c in batch)
+        if prim.reduction == "mean" and cut:
+            return Decomposed(self._mean(prim, strategy), f"{prim.name} 'mean' over a batch cut {batch}: the sharded "
+                                                          f"sum of the losses over the sharded sum of the weights")
+        dm, off, rep = device_matrix_for(s_x, device_num)
+        x_lay = Layout(dm, dims_map(off, range(x.ndim)))
+        t_lay = Layout(dm, dims_map(off, [d for d in range(x.ndim) if d != k]))
+        in_layouts = (x_lay, t_lay) + ((Layout(dm, ((),)),) if len(specs) > 2 else ())
+        if prim.reduction == "none":
+            out = t_lay
+        else:  # a scalar: each rank's sum over its block
+            out = Layout(dm, (), tuple((off + d, "sum") for d, c in enumerate(s_x) if c > 1))
+        return OpSharding(strategy, in_layouts, out, rep)
+
+    @staticmethod
+    def _mean(prim, strategy):
+        s_x = strategy[0]
+        total = NLLLoss("sum", prim.ignore_index, prim.label_smoothing).shard(strategy)
+        count = NLLLoss("sum", prim.ignore_index).shard(strategy)
+        ones, neg = OnesLike().shard((s_x,)), Neg().shard((s_x,))
+        div = RealDiv().shard(((), ()))
+
+        def fn(x, target, *weight):
+            with no_grad():
+                # -weight[t] * (-1) summed over the counted targets: the mean's denominator
+                denominator = count(neg(ones(x)), target, *weight)
+            return div(total(x, target, *weight), denominator)
+        return fn
+
+    def data_parallel(self, prim, args, device_num):
+        specs = tensor_specs(args)
+        x, k = specs[0], self._class_dim(args)
+        c = 1 if k == 0 or (x.is_parameter and specs[1].is_parameter) else largest_cut(x.shape[0], device_num)
+        s_x = tuple(c if d == 0 and k != 0 else 1 for d in range(x.ndim))
+        return (s_x, s_x[:k] + s_x[k + 1:]) + (((1,),) if len(specs) > 2 else ())
+
+    def propagate(self, prim, args, layouts, device_num):
+        specs = tensor_specs(args)
+        x, k = specs[0], self._class_dim(args)
+        s_x = follow(x, layouts[0], allowed=[d for d in range(x.ndim) if d != k])
+        w = ((1,),) if len(specs) > 2 else ()
+        return first_accepted(self, prim, args, device_num, [(s_x, s_x[:k] + s_x[k + 1:]) + w])
 
 
 @register(OneHot)

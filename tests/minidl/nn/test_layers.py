@@ -327,8 +327,9 @@ def test_pooling_forward(k, s, hw, data):
 
 
 def test_pooling_errors():
-    with pytest.raises(ValueError, match="MaxPool2d: pad_mode must be 'valid' or 'same', got 'pad'"):
-        nn.MaxPool2d(2, 2, pad_mode="pad")
+    with pytest.raises(ValueError, match=r"MaxPool2d: pad_mode must be one of \('valid', 'same', 'pad'\), "
+                                         r"got 'full'"):
+        nn.MaxPool2d(2, 2, pad_mode="full")
     with pytest.raises(ValueError, match=r"AvgPool2d: input of shape \(2, 3\) must be \(N, C, H, W\)"):
         nn.AvgPool2d(2)(f32(np.ones((2, 3))))
 

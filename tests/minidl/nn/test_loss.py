@@ -222,3 +222,30 @@ def test_cross_entropy_device_labels_are_checked_on_the_host_when_asked(on_the_d
         nn.CrossEntropyLoss()(Tensor(np.zeros((3, 4))), Tensor(np.array([0, 7, -1])))
     monkeypatch.setenv("MINIDL_CHECK_LABELS", "0")  # read at each call: "0" turns it back off
     assert np.isnan(nn.CrossEntropyLoss()(Tensor(np.zeros((3, 4))), Tensor(np.array([0, 7, -1]))).asnumpy())
+
+
+# ---- NLLLoss -------------------------------------------------------------------------------------
+
+@given(reduction=reductions, weighted=st.booleans(), seed=st.integers(0, 2**16))
+def test_nll_loss_cell_of_log_softmax_is_cross_entropy(reduction, weighted, seed):
+    rng = np.random.default_rng(seed)
+    x, t = rng.standard_normal((4, 3, 2)), rng.integers(0, 3, (4, 2))
+    t[0, 0] = -100
+    w = rng.random(3) + 0.5 if weighted else None
+    nll = nn.NLLLoss(weight=w, reduction=reduction)
+    got = nll(nn.LogSoftmax(axis=1)(Tensor(x)), Tensor(t)).asnumpy()
+    want = nn.CrossEntropyLoss(weight=w, reduction=reduction)(Tensor(x), Tensor(t)).asnumpy()
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    check_op(lambda x: nll(nn.LogSoftmax(axis=1)(x), Tensor(t)), [x], check_float32=False)
+
+
+def test_nll_loss_cell_arguments():
+    loss = nn.NLLLoss()
+    assert (loss.weight, loss.ignore_index, loss.reduction) == (None, -100, "mean")
+    assert "ignore_index=-100, reduction=mean" in repr(loss)
+    y = nn.NLLLoss(ignore_index=1)(Tensor(np.log(np.full((2, 3), 1 / 3))), Tensor(np.array([1, 0])))
+    np.testing.assert_allclose(y.asnumpy(), np.log(3))
+    with pytest.raises(ValueError, match=r"NLLLoss: reduction must be one of 'mean', 'sum', 'none', got 'avg'"):
+        nn.NLLLoss(reduction="avg")
+    with pytest.raises(ValueError, match=r"NLLLoss: weight must be 1-D \(one per class\), got shape \(2, 2\)"):
+        nn.NLLLoss(weight=np.ones((2, 2)))

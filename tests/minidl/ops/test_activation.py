@@ -1,11 +1,14 @@
-"""Softmax, LogSoftmax: forward vs NumPy, backward vs finite differences, stability, errors."""
+"""Softmax, LogSoftmax, GeLU, LeakyReLU, SiLU: forward vs NumPy, backward vs finite differences, stability,
+errors."""
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
 from minidl import ops, Tensor
 from minidl.testing import check_op
-from minidl.testing.strategies import shapes, arrays
+from minidl.testing.strategies import shapes, arrays, distinct_arrays
 
 
 def np_log_softmax(x, axes):
@@ -103,3 +106,97 @@ def test_errors():
         ops.LogSoftmax(())
     with pytest.raises(TypeError, match=r"Softmax: x must be a float tensor, got dtype int64"):
         ops.softmax(Tensor(np.ones((2, 3), np.int64)))
+
+
+# ---- GeLU, LeakyReLU, SiLU -------------------------------------------------------------------
+
+def np_ndtr(x):
+    return np.array([0.5 * math.erfc(-v / math.sqrt(2)) for v in np.ravel(x)]).reshape(np.shape(x))
+
+
+def np_gelu(x, approximate):
+    if approximate == "tanh":
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    return x * np_ndtr(x)
+
+
+@given(x=shapes(max_dims=3).flatmap(lambda s: arrays(s, -5.0, 5.0)), approximate=st.sampled_from(["none", "tanh"]))
+def test_gelu(x, approximate):
+    check_op(lambda x: ops.gelu(x, approximate), [x], reference=lambda x: np_gelu(x, approximate), fwd_rtol=1e-13)
+
+
+@given(x=shapes(max_dims=3).flatmap(lambda s: distinct_arrays(s, -4.0, 4.0)),
+       alpha=st.sampled_from([0.2, 0.01, 1.5, -0.3]))
+def test_leaky_relu(x, alpha):
+    check_op(lambda x: ops.LeakyReLU(alpha)(x), [x], reference=lambda x: np.where(x > 0, x, alpha * x))
+
+
+@given(x=shapes(max_dims=3).flatmap(lambda s: arrays(s, -6.0, 6.0)))
+def test_silu(x):
+    check_op(ops.silu, [x], reference=lambda x: x / (1 + np.exp(-x)))
+
+
+def test_erf_matches_math_erf_to_1e15():
+    from minidl.ops.activation import _erf, _ndtr
+    x = np.concatenate([np.linspace(-7, 7, 20001), np.geomspace(1e-300, 1.0, 301), [0.46875, 4.0, 30.0, -30.0, 0.0]])
+    want = np.array([math.erf(v) for v in x])
+    got = _erf(np, x)
+    np.testing.assert_allclose(got, want, rtol=1e-15, atol=1e-300)
+    assert got.dtype == np.float64 and _erf(np, x.astype(np.float32)).dtype == np.float32
+    # The left tail goes through erfc: Phi(-10) is 7.6e-24, not 1 - 1 = 0. (Relative error grows
+    # like x^2 * 1e-16 there: exp(-x^2 / 2) amplifies the rounding of x / sqrt(2), as in any ndtr.)
+    tail = np.array([-10.0, -20.0, -37.0])
+    np.testing.assert_allclose(_ndtr(np, tail), [0.5 * math.erfc(-v / math.sqrt(2)) for v in tail], rtol=1e-12)
+
+
+def test_activation_defaults_follow_mindspore():
+    x = Tensor(np.array([-3.0, -1.0, 0.5, 2.0], np.float32))
+    # MindSpore 2.10 CPU: ops.GeLU() is the tanh form; ops.gelu defaults to the exact form.
+    np.testing.assert_allclose(ops.GeLU()(x).asnumpy(), [-0.00363743, -0.158808, 0.345714, 1.9545977], rtol=1e-4)
+    np.testing.assert_allclose(ops.gelu(x).asnumpy(), [-0.00404969, -0.15865526, 0.34573123, 1.9544997], rtol=1e-5)
+    np.testing.assert_allclose(ops.leaky_relu(x).asnumpy(), [-0.6, -0.2, 0.5, 2.0], rtol=1e-6)  # alpha 0.2
+    np.testing.assert_allclose(ops.silu(x).asnumpy(), [-0.14227754, -0.26894155, 0.3112297, 1.7615943], rtol=1e-5)
+    for y in (ops.GeLU()(x), ops.gelu(x), ops.leaky_relu(x), ops.silu(x)):
+        assert y.dtype == np.float32
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_smooth_units_stay_finite_for_large_inputs(dtype):
+    x = np.array([-1e4, -60.0, 60.0, 1e4], dtype)
+    for fn in (lambda t: ops.gelu(t), lambda t: ops.gelu(t, "tanh"), ops.silu):
+        t = Tensor(x, requires_grad=True)
+        y = fn(t)
+        y.sum().backward()
+        assert np.isfinite(y.asnumpy()).all() and np.isfinite(t.grad.asnumpy()).all()
+        np.testing.assert_allclose(y.asnumpy(), [0.0, 0.0, 60.0, 1e4], atol=1e-6, rtol=1e-6)
+        np.testing.assert_allclose(t.grad.asnumpy(), [0.0, 0.0, 1.0, 1.0], atol=1e-6)
+
+
+def test_leaky_relu_gradient_at_zero_is_alpha():
+    t = Tensor(np.array([0.0, -2.0, 3.0]), requires_grad=True)
+    ops.leaky_relu(t, 0.1).sum().backward()
+    np.testing.assert_allclose(t.grad.asnumpy(), [0.1, 0.1, 1.0])
+
+
+@pytest.mark.cpu_only
+def test_smooth_units_match_torch():
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(1).standard_normal(50) * 4
+    tx = torch.tensor(x)
+    pairs = [(ops.gelu(Tensor(x)), torch.nn.functional.gelu(tx)),
+             (ops.gelu(Tensor(x), "tanh"), torch.nn.functional.gelu(tx, approximate="tanh")),
+             (ops.silu(Tensor(x)), torch.nn.functional.silu(tx)),
+             (ops.leaky_relu(Tensor(x), 0.01), torch.nn.functional.leaky_relu(tx, 0.01))]
+    for mine, ref in pairs:
+        np.testing.assert_allclose(mine.asnumpy(), ref.numpy(), rtol=1e-13, atol=1e-15)
+
+
+def test_smooth_unit_errors():
+    with pytest.raises(ValueError, match=r"gelu: approximate must be one of \('none', 'tanh'\), got 'exact'"):
+        ops.gelu(Tensor(np.ones(2)), "exact")
+    with pytest.raises(ValueError, match=r"GeLU: approximate must be one of"):
+        ops.GeLU(True)
+    with pytest.raises(TypeError, match=r"LeakyReLU: alpha must be a float or an int, got '0.2'"):
+        ops.LeakyReLU("0.2")
+    with pytest.raises(TypeError, match=r"SiLU: x must be a float tensor, got dtype int64"):
+        ops.silu(Tensor(np.ones(2, np.int64)))

@@ -170,3 +170,115 @@ def test_getitem_errors():
 
 
 # ---- Cast, OneHot, ZerosLike, OnesLike --------------------------------------------------------
+
+
+# ---- Gather ------------------------------------------------------------------------------------
+
+@st.composite
+def gather_cases(draw):
+    shape = draw(small)
+    params = draw(arrays(shape))
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    n = shape[axis]
+    index_shape = draw(shapes(min_dims=0, max_dims=2, max_side=4))
+    # repeats and negative indices (counted from the end, as MindSpore's CPU Gather takes them)
+    indices = np.array(draw(st.lists(st.integers(-n, n - 1), min_size=int(np.prod(index_shape)),
+                                     max_size=int(np.prod(index_shape))))).reshape(index_shape)
+    return params, indices.astype(draw(st.sampled_from([np.int32, np.int64]))), axis
+
+
+@given(case=gather_cases())
+def test_gather(case):
+    params, indices, axis = case
+    check_op(lambda p, i: ops.gather(p, i, axis), [params, indices],
+             reference=lambda p, i: np.take(p, i, axis=axis))
+
+
+def test_gather_repeated_indices_accumulate_gradients():
+    table = Tensor(np.arange(12.0).reshape(4, 3), requires_grad=True)
+    ids = Tensor(np.array([[0, 3, 3], [-1, 0, 2]], np.int32))
+    y = ops.Gather()(table, ids, 0)
+    assert y.shape == (2, 3, 3)
+    np.testing.assert_array_equal(y.asnumpy()[1, 0], [9.0, 10.0, 11.0])  # -1: the last row
+    y.sum().backward()
+    np.testing.assert_array_equal(table.grad.asnumpy()[:, 0], [2.0, 0.0, 1.0, 3.0])
+    # axis 1, a 0-d index drops the axis
+    y = ops.gather(Tensor(np.arange(12.0).reshape(4, 3)), Tensor(np.array(2)), 1)
+    np.testing.assert_array_equal(y.asnumpy(), [2.0, 5.0, 8.0, 11.0])
+
+
+def test_gather_float32_and_integer_tables():
+    y = ops.gather(Tensor(np.ones((3, 2), np.float32)), Tensor(np.array([1])), 0)
+    assert y.dtype == np.float32
+    y = ops.gather(Tensor(np.arange(6, dtype=np.int32).reshape(3, 2)), Tensor(np.array([2, 0])), 0)
+    assert y.dtype == np.int32 and y.asnumpy().tolist() == [[4, 5], [0, 1]]
+
+
+def test_gather_row_block_gives_zero_outside_its_rows(monkeypatch):
+    """The vocabulary-parallel rule's local call: rows [2, 4) of a table of 6, global indices."""
+    monkeypatch.setenv("MINIDL_CHECK_LABELS", "1")  # the device-pinned suite checks on the host too
+    full = np.arange(12.0).reshape(6, 2)
+    block = Tensor(full[2:4], requires_grad=True)
+    g = ops.Gather()
+    g.row_block = (2, 6)
+    y = g(block, Tensor(np.array([0, 2, 3, 3, 5, -3])), 0)  # -3 is row 3
+    want = np.where(np.isin([0, 2, 3, 3, 5, 3], [2, 3])[:, None], full[[0, 2, 3, 3, 5, 3]], 0.0)
+    np.testing.assert_array_equal(y.asnumpy(), want)
+    y.sum().backward()
+    np.testing.assert_array_equal(block.grad.asnumpy(), [[1.0, 1.0], [3.0, 3.0]])
+    with pytest.raises(ValueError, match=r"Gather: index 6 is out of range .* \(expected -6 <= index < 6\)"):
+        g(block, Tensor(np.array([6])), 0)
+
+
+@pytest.mark.cpu_only
+def test_gather_matches_torch_index_select_and_embedding():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    table, ids = rng.standard_normal((7, 3)), rng.integers(0, 7, (4, 5))
+    np.testing.assert_array_equal(ops.gather(Tensor(table), Tensor(ids), 0).asnumpy(),
+                                  torch.nn.functional.embedding(torch.tensor(ids), torch.tensor(table)).numpy())
+    t = Tensor(table, requires_grad=True)
+    tt = torch.tensor(table, requires_grad=True)
+    g = rng.standard_normal((3, 4))
+    (ops.gather(t, Tensor(ids[0, :4]), 0).T * Tensor(g)).sum().backward()
+    (torch.index_select(tt, 0, torch.tensor(ids[0, :4])).T * torch.tensor(g)).sum().backward()
+    np.testing.assert_allclose(t.grad.asnumpy(), tt.grad.numpy(), rtol=1e-12)
+
+
+def test_gather_device_indices_out_of_range_give_nan_without_a_host_sync(on_the_double, monkeypatch):
+    import sys
+    from minidl.testing import cupy_double
+    monkeypatch.setitem(sys.modules, "cupyx", cupy_double.cupyx_module())  # backward's scatter_add
+    table = Tensor(np.arange(8.0).reshape(4, 2), requires_grad=True)
+    with cupy_double.count_host_syncs() as syncs:
+        y = ops.gather(table, Tensor(np.array([1, 4, -5, 3])), 0)
+        y.sum().backward()
+    assert syncs.total == 0, syncs.by_reason
+    out, grad = y.asnumpy(), table.grad.asnumpy()
+    assert np.isnan(out[[1, 2]]).all() and not np.isnan(out[[0, 3]]).any()
+    np.testing.assert_array_equal(out[[0, 3]], [[2.0, 3.0], [6.0, 7.0]])
+    assert np.isnan(grad).any()  # the bad slices' NaN reach the clipped rows: never a silently wrong update
+
+
+def test_gather_device_indices_are_checked_on_the_host_when_asked(on_the_double, monkeypatch):
+    monkeypatch.setenv("MINIDL_CHECK_LABELS", "1")
+    with pytest.raises(ValueError, match=r"Gather: index 4 is out of range"):
+        ops.gather(Tensor(np.zeros((4, 2))), Tensor(np.array([0, 4])), 0)
+
+
+def test_gather_errors(monkeypatch):
+    monkeypatch.setenv("MINIDL_CHECK_LABELS", "1")  # the device-pinned suite checks on the host too
+    table = Tensor(np.zeros((4, 3)))
+    with pytest.raises(ValueError, match=r"Gather: index 4 is out of range for params of shape \(4, 3\) along axis 0 "
+                                         r"\(expected -4 <= index < 4\)"):
+        ops.gather(table, Tensor(np.array([0, 4])), 0)
+    with pytest.raises(ValueError, match=r"Gather: index -5 is out of range"):
+        ops.gather(table, Tensor(np.array([-5])), 0)
+    with pytest.raises(ValueError, match=r"Gather: axis 2 is out of range for params of rank 2"):
+        ops.gather(table, Tensor(np.array([0])), 2)
+    with pytest.raises(TypeError, match=r"Gather: input_indices must be an integer tensor, got dtype float64"):
+        ops.gather(table, Tensor(np.array([0.0])), 0)
+    with pytest.raises(TypeError, match=r"Gather: axis must be an int, got 0.0"):
+        ops.gather(table, Tensor(np.array([0])), 0.0)
+    with pytest.raises(NotImplementedError, match=r"Gather: batch_dims=1 is not supported \(only 0\)"):
+        ops.gather(table, Tensor(np.array([[0]])), 1, batch_dims=1)

@@ -1,4 +1,5 @@
-"""Softmax cross-entropy primitives, cross_entropy and mse_loss: forward vs NumPy, gradients, errors."""
+"""Softmax cross-entropy primitives, NLLLoss, cross_entropy, nll_loss and mse_loss: forward vs NumPy,
+gradients, errors."""
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -227,3 +228,122 @@ def test_device_labels_are_checked_on_the_host_when_asked(on_the_double, monkeyp
     monkeypatch.setenv("MINIDL_CHECK_LABELS", "1")
     with pytest.raises(ValueError, match="label 7 is out of range for 4 classes"):
         ops.sparse_softmax_cross_entropy(Tensor(np.zeros((2, 4))), Tensor(np.array([0, 7])))
+
+
+# ---- NLLLoss / nll_loss --------------------------------------------------------------------------
+
+def np_nll(x, t, weight=None, ignore_index=-100, reduction="mean", s=0.0):
+    """MindSpore's _nll_loss (= PyTorch's nll_loss, plus label smoothing), sample by sample."""
+    batch_shape = np.shape(t)
+    if x.ndim == 1:
+        x, t = x[None], np.asarray(t)[None]
+    c = x.shape[1]
+    rows = np.moveaxis(x, 1, -1).reshape(-1, c)
+    w = np.ones(c) if weight is None else weight
+    per, denominator = np.zeros(len(rows)), 0.0
+    for i, y in enumerate(t.reshape(-1)):
+        if y == ignore_index:
+            continue
+        per[i] = (1 - s) * -w[y] * rows[i, y] + s / c * -(w * rows[i]).sum()
+        denominator += w[y]
+    if reduction == "none":
+        return per.reshape(batch_shape)
+    return per.sum() if reduction == "sum" else per.sum() / denominator
+
+
+@st.composite
+def nll_cases(draw):
+    c = draw(st.integers(1, 4))
+    shape = draw(st.sampled_from([(c,), (draw(st.integers(1, 3)), c), (draw(st.integers(1, 3)), c, 2)]))
+    x = draw(arrays(shape, -4.0, 0.0))
+    batch = () if len(shape) == 1 else (shape[0],) + shape[2:]
+    n = int(np.prod(batch))
+    t = np.array(draw(st.lists(st.sampled_from(list(range(c)) + [-100]), min_size=n, max_size=n)), np.int64)
+    t = t.reshape(batch)
+    if not (t != -100).any():  # 'mean' of nothing counted is NaN (tested on its own)
+        t = np.zeros(batch, np.int64)
+    weight = draw(st.none() | arrays((c,), 0.5, 2.0))
+    return x, t, weight
+
+
+@given(case=nll_cases(), reduction=st.sampled_from(["mean", "sum", "none"]), s=st.sampled_from([0.0, 0.2]))
+def test_nll_loss(case, reduction, s):
+    x, t, weight = case
+    args = [x, t] + ([] if weight is None else [weight])
+    check_op(lambda x, t, *w: ops.nll_loss(x, t, *w, reduction=reduction, label_smoothing=s), args,
+             reference=lambda x, t, *w: np_nll(x, t, *w, reduction=reduction, s=s), positions=[0])
+
+
+def test_nll_of_log_softmax_is_cross_entropy():
+    rng = np.random.default_rng(0)
+    x, t, w = rng.standard_normal((5, 4)), np.array([0, 3, -100, 1, 3]), rng.random(4) + 0.5
+    for kw in ({}, {"weight": Tensor(w)}, {"label_smoothing": 0.1}, {"weight": Tensor(w), "reduction": "sum"}):
+        want = ops.cross_entropy(Tensor(x), Tensor(t), **kw).asnumpy()
+        got = ops.nll_loss(ops.log_softmax(Tensor(x), 1), Tensor(t), **kw).asnumpy()
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_nll_loss_primitive_defaults_and_nothing_counted():
+    prim = ops.NLLLoss()
+    assert (prim.reduction, prim.ignore_index, prim.label_smoothing) == ("mean", -100, 0.0)
+    x = Tensor(np.log(np.full((2, 3), 1 / 3)))
+    np.testing.assert_allclose(prim(x, Tensor(np.array([0, 2]))).asnumpy(), np.log(3))
+    with np.errstate(invalid="ignore"):
+        assert np.isnan(prim(x, Tensor(np.array([-100, -100]))).item())  # 0 / 0, as MindSpore and PyTorch
+    assert ops.nll_loss(x, Tensor(np.array([-100, -100])), reduction="sum").item() == 0.0
+    y = ops.nll_loss(Tensor(np.array([-1.0, -2.0], np.float32)), Tensor(np.array(1)))
+    assert y.shape == () and y.dtype == np.float32 and y.item() == 2.0
+
+
+@pytest.mark.cpu_only
+def test_nll_loss_matches_torch():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    rng = np.random.default_rng(1)
+    x, t, w = rng.standard_normal((4, 3, 5)), rng.integers(0, 3, (4, 5)), rng.random(3) + 0.5
+    t[0, :2] = -100
+    for weight in (None, w):
+        for reduction in ("mean", "sum", "none"):
+            xt, tx = Tensor(x, requires_grad=True), torch.tensor(x, requires_grad=True)
+            got = ops.nll_loss(xt, Tensor(t), None if weight is None else Tensor(weight), reduction=reduction)
+            want = F.nll_loss(tx, torch.tensor(t), None if weight is None else torch.tensor(weight),
+                              reduction=reduction)
+            np.testing.assert_allclose(got.asnumpy(), want.detach().numpy(), rtol=1e-12)
+            got.sum().backward()
+            want.sum().backward()
+            np.testing.assert_allclose(xt.grad.asnumpy(), tx.grad.numpy(), rtol=1e-12)
+
+
+def test_nll_loss_device_targets_out_of_range_give_nan_without_a_host_sync(on_the_double):
+    from minidl.testing import cupy_double
+    x = np.log(np.random.default_rng(0).dirichlet(np.ones(4), 3))
+    t = Tensor(x, requires_grad=True)
+    with cupy_double.count_host_syncs() as syncs:
+        loss = ops.nll_loss(t, Tensor(np.array([1, 7, -100])), reduction="none")
+        loss.sum().backward()
+    assert syncs.total == 0, syncs.by_reason
+    got, g = loss.asnumpy(), t.grad.asnumpy()
+    assert np.isnan(got[1]) and np.isnan(g[1]).all()
+    np.testing.assert_allclose(got[[0, 2]], [-x[0, 1], 0.0])
+    np.testing.assert_allclose(g[0], [0.0, -1.0, 0.0, 0.0])
+
+
+def test_nll_loss_errors(monkeypatch):
+    monkeypatch.setenv("MINIDL_CHECK_LABELS", "1")  # the device-pinned suite checks on the host too
+    x = Tensor(np.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"NLLLoss: label 3 is out of range for 3 classes"):
+        ops.nll_loss(x, Tensor(np.array([0, 3])))
+    with pytest.raises(ValueError, match=r"NLLLoss: labels of shape \(3,\) do not match logits of shape \(2, 3\)"):
+        ops.nll_loss(x, Tensor(np.array([0, 1, 2])))
+    with pytest.raises(TypeError, match=r"NLLLoss: labels must be integer class indices, got dtype float64"):
+        ops.nll_loss(x, Tensor(np.array([0.0, 1.0])))
+    with pytest.raises(ValueError, match=r"NLLLoss: weight of shape \(2,\) must be \(3,\)"):
+        ops.nll_loss(x, Tensor(np.array([0, 1])), Tensor(np.ones(2)))
+    with pytest.raises(ValueError, match=r"NLLLoss: reduction must be one of"):
+        ops.nll_loss(x, Tensor(np.array([0, 1])), reduction="avg")
+    with pytest.raises(ValueError, match=r"NLLLoss: label_smoothing must be in \[0, 1\], got 1.5"):
+        ops.NLLLoss(label_smoothing=1.5)
+    with pytest.raises(TypeError, match=r"NLLLoss: ignore_index must be an int, got None"):
+        ops.NLLLoss(ignore_index=None)
+    with pytest.raises(ValueError, match=r"NLLLoss: inputs must have a class dimension"):
+        ops.nll_loss(Tensor(np.array(1.0)), Tensor(np.array(0)))

@@ -171,3 +171,100 @@ def test_arity_and_input_type():
         ops.ReduceSum()(Tensor(np.ones(2)), 0, 1)
     with pytest.raises(TypeError, match="ReduceSum: x must be a Tensor, got list"):
         ops.reduce_sum([1.0, 2.0])
+
+
+# ---- Argmax / Argmin --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["argmax", "argmin"])
+@given(data=st.data())
+def test_arg_extremes_match_numpy(name, data):
+    shape = data.draw(shapes(max_dims=3, max_side=4))
+    x = data.draw(distinct_arrays(shape))
+    x = np.round(x)  # ties: the first index wins, as numpy
+    axis = data.draw(st.sampled_from([None] + list(range(-len(shape), len(shape)))))
+    keep = data.draw(st.booleans())
+    fn, ref = (ops.argmax, np.argmax) if name == "argmax" else (ops.argmin, np.argmin)
+    y = fn(Tensor(x), axis, keep)
+    want = ref(x, axis=axis, keepdims=keep and axis is not None)
+    assert y.dtype == (np.int64 if name == "argmax" else np.int32)  # as MindSpore 2.10's functions
+    assert not y.requires_grad
+    np.testing.assert_array_equal(y.asnumpy(), want)
+
+
+def test_arg_extremes_ties_nan_and_dtypes():
+    x = Tensor(np.array([[1.0, 3.0, 3.0], [5.0, 0.0, 5.0]], np.float32), requires_grad=True)
+    np.testing.assert_array_equal(ops.Argmax()(x).asnumpy(), [1, 0])           # the first maximum
+    np.testing.assert_array_equal(ops.Argmin(axis=0)(x).asnumpy(), [0, 1, 0])
+    assert ops.Argmax()(x).dtype == np.int32 and ops.Argmin(0, np.int64)(x).dtype == np.int64
+    assert ops.argmax(x).shape == () and ops.argmax(x).item() == 3                # the flattened index
+    assert ops.argmax(x, None, True).shape == ()                                   # MindSpore: keepdim ignored
+    assert ops.argmin(x, axis=1, keepdims=True).shape == (2, 1)
+    assert ops.argmax(Tensor(np.array([1.0, np.nan, 3.0]))).item() == 1            # NaN is the maximum
+    assert ops.argmax(Tensor(np.array(2.5)), 0).item() == 0                        # a 0-d tensor: index 0
+    assert ops.argmax(Tensor(np.array([False, True]))).item() == 1
+
+
+def test_tensor_argmax_argmin_take_both_spellings():
+    t = Tensor(np.array([[1.0, 3.0], [4.0, 0.0]], np.float32))
+    assert t.argmax().item() == 2 and t.argmin().item() == 3
+    np.testing.assert_array_equal(t.argmax(1).asnumpy(), [1, 0])
+    assert t.argmax(axis=1, keepdims=True).shape == (2, 1) and t.argmax(dim=1, keepdim=True).shape == (2, 1)
+    assert t.argmin(dim=0).dtype == np.int32
+
+
+def test_arg_extreme_errors():
+    x = Tensor(np.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"Argmax: axis 2 is out of range for a tensor of rank 2 \(expected -2 <= axis < 2\)"):
+        ops.argmax(x, 2)
+    with pytest.raises(TypeError, match=r"Argmin: axis must be an int, got tuple \(0, 1\)"):
+        ops.argmin(x, (0, 1))
+    with pytest.raises(ValueError, match="Argmax: output_type must be int32 or int64, got <class 'numpy.float32'>"):
+        ops.Argmax(0, np.float32)
+    with pytest.raises(ValueError, match=r"Argmin: axis 0 of x \(shape \(0, 3\)\) has size 0: there is no minimum"):
+        ops.Argmin(0)(Tensor(np.ones((0, 3))))
+
+
+# ---- CumSum -----------------------------------------------------------------------------------
+
+def _cumsum_ref(x, axis, exclusive, reverse):
+    x = np.flip(x, axis) if reverse else x
+    y = np.cumsum(x, axis=axis)
+    if exclusive:
+        y = y - x
+    return np.flip(y, axis) if reverse else y
+
+
+@given(data=st.data(), exclusive=st.booleans(), reverse=st.booleans())
+def test_cumsum_matches_numpy_and_finite_differences(data, exclusive, reverse):
+    shape = data.draw(shapes(max_dims=3, max_side=4))
+    x = data.draw(distinct_arrays(shape))
+    axis = data.draw(st.integers(-len(shape), len(shape) - 1))
+    check_op(lambda t: ops.CumSum(exclusive, reverse)(t, axis), [x],
+             reference=lambda a: _cumsum_ref(a, axis, exclusive, reverse))
+
+
+def test_cumsum_function_dtype_and_integers():
+    c = Tensor(np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], np.float32), requires_grad=True)
+    y = ops.cumsum(c, 1)
+    np.testing.assert_array_equal(y.asnumpy(), [[1, 3, 6], [4, 9, 15]])
+    z = ops.cumsum(c, 0, np.float64)
+    assert z.dtype == np.float64
+    z.backward(Tensor(np.ones((2, 3))))
+    assert c.grad.dtype == np.float32
+    np.testing.assert_array_equal(c.grad.asnumpy(), [[2, 2, 2], [1, 1, 1]])  # reverse cumsum of ones
+    small = ops.cumsum(Tensor(np.array([100, 100], np.int8)), 0)
+    assert small.dtype == np.int8  # kept, as MindSpore (NumPy would give int64)
+    np.testing.assert_array_equal(c.cumsum().asnumpy(), np.cumsum([1, 2, 3, 4, 5, 6]))  # axis None: flattened
+
+
+def test_cumsum_errors():
+    with pytest.raises(ValueError, match="CumSum: axis 2 is out of range for a tensor of rank 2"):
+        ops.cumsum(Tensor(np.ones((2, 3))), 2)
+    with pytest.raises(TypeError, match="CumSum: axis must be an int, got NoneType None"):
+        ops.cumsum(Tensor(np.ones(2)), None)
+    with pytest.raises(TypeError, match="CumSum: x must be a number tensor, got dtype bool"):
+        ops.cumsum(Tensor(np.array([True, False])), 0)
+    with pytest.raises(ValueError, match="CumSum: x must have rank >= 1, got a 0-d tensor"):
+        ops.cumsum(Tensor(np.array(1.0)), 0)
+    with pytest.raises(TypeError, match="CumSum: exclusive must be a bool, got 1"):
+        ops.CumSum(exclusive=1)

@@ -16,7 +16,7 @@ WORLDS = (1, 2, 4, 8)
 # The central property runs hundreds of examples even in CI (each takes ~20 ms on
 # the threads backend): 25x the profile's count, i.e. 300 under the bounded 'ci' profile.
 CHAIN_EXAMPLES = 25 * settings.default.max_examples
-UNARY = ("relu", "tanh", "sigmoid", "exp", "neg", "square")
+UNARY = ("relu", "tanh", "sigmoid", "exp", "neg", "square", "gelu", "gelu_tanh", "silu", "leaky_relu")
 
 
 @st.composite
@@ -34,7 +34,7 @@ def _cuts(draw, sizes, n):
 @st.composite
 def _layer(draw, n, batch, d):
     op = draw(st.sampled_from(["matmul", "matmul", "bias", "unary", "mul", "softmax", "transpose", "reshape",
-                               "dropout"]))
+                               "dropout", "layernorm", "clamp", "cumsum"]))
     spec = {"op": op}
     explicit = draw(st.booleans())
     if op == "matmul":
@@ -45,6 +45,13 @@ def _layer(draw, n, batch, d):
     elif op == "reshape":
         b, c = draw(_cuts([batch, d // 2], n))
         strategy = ((b, c),)
+    elif op == "layernorm":  # the normalised features stay whole
+        (b,) = draw(_cuts([batch], n))
+        strategy = ((b, 1), (1,), (1,))
+    elif op == "cumsum":  # the scanned features stay whole
+        (b,) = draw(_cuts([batch], n))
+        strategy = ((b, 1),)
+        spec["reverse"] = draw(st.booleans())
     else:
         b, c = draw(_cuts([batch, d], n))
         strategy = {"bias": ((b, c), (c,)), "mul": ((b, c), (b, c))}.get(op, ((b, c),))

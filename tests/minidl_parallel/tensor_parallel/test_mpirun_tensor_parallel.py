@@ -60,3 +60,17 @@ def test_megatron_example_under_mpirun_equals_one_process_with_one_allreduce_per
         assert len(values) == 2 and all(abs(v - expected) <= 1e-5 * max(1.0, abs(expected)) for v in values)
     # 2 blocks: one all-reduce per block in forward; in backward one per block whose input needs a gradient.
     assert "collectives per step: 2 all-reduce(s) in forward, 1 in backward, 3 in all (2 blocks, 2-way" in proc.stdout
+
+
+def test_megatron_gpt_example_under_mpirun_equals_one_process_with_the_analytical_collectives():
+    single = mpirun(1, ROOT / "examples" / "megatron_gpt.py", "--steps", "2", timeout=120)
+    assert single.returncode == 0, single.stdout + single.stderr
+    proc = mpirun(2, ROOT / "examples" / "megatron_gpt.py", "--steps", "2", timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ref = _losses(single.stdout)
+    assert len(ref) == 2 and len(_losses(proc.stdout)) == 4
+    for step, expected in enumerate(ref):
+        values = [float(v) for v in re.findall(rf"rank \d: step {step + 1}, loss is ([-0-9.e]+)", proc.stdout)]
+        assert len(values) == 2 and all(abs(v - expected) <= 1e-5 * max(1.0, abs(expected)) for v in values)
+    assert ("collectives per step (2 blocks, 2-way tensor parallel): 8 in forward (analytical 8), "
+            "10 in backward (analytical 10)") in proc.stdout

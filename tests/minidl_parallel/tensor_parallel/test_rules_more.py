@@ -12,27 +12,19 @@ from minidl import Parameter, Tensor, nn, ops
 from minidl_parallel import run_threads
 from minidl_parallel.tensor_parallel.dispatch import full_value, gather_like
 from minidl_parallel.tensor_parallel.layout import Layout
-from minidl_parallel.tensor_parallel.rules import Site, StrategyError, TensorSpec, get_rule
+from minidl_parallel.tensor_parallel.rules import Site, StrategyError, get_rule
 from minidl_parallel.tensor_parallel.rules.indexing import index_dims
+from rule_helpers import host, infer, layouts_of, spec
 
 F64 = np.dtype(np.float64)
 
 
-def host(array):
-    """A NumPy copy of a gathered value, from either array module (the suite also runs pinned to the GPU)."""
-    return np.array(minidl.backend.to_numpy(array))
 
 
-def spec(shape, param=False, dtype=F64):
-    return TensorSpec(tuple(shape), dtype, param)
 
 
-def infer(prim, args, strategy, device_num):
-    return get_rule(prim).infer(prim, tuple(args), strategy, device_num)
 
 
-def layouts_of(sh):
-    return [str(lay) for lay in sh.in_layouts], str(sh.out_layout), sh.repeat_axes
 
 
 def at(coords):
@@ -225,7 +217,7 @@ def test_index_dims_places_whole_dimensions_where_numpy_does(nd, data):
 
 # ---- real runs on thread-ranks -----------------------------------------------------------------
 
-def _on_ranks(n, fn, mode, dataset="full_batch"):
+def on_ranks(n, fn, mode, dataset="full_batch"):
     def body():
         import minidl_parallel as mp
         mp.set_auto_parallel_context(parallel_mode=mode, dataset_strategy=dataset)
@@ -291,7 +283,7 @@ def _dropout_run(n, first, second, seeds, mode, dataset):
 
     want = run(1, "full_batch")
     assert 0 < np.count_nonzero(want[0]) < x.size  # something dropped, something kept
-    for got in _on_ranks(n, lambda: run(n, dataset), mode, dataset):
+    for got in on_ranks(n, lambda: run(n, dataset), mode, dataset):
         for a, b, what in zip(got, want, ("output", "input gradient")):
             np.testing.assert_array_equal(a, b, err_msg=what)
 
@@ -347,7 +339,7 @@ def _concat_run(n, strategies, mode, dataset):
                                       gather_like(inner.w2.grad, inner.w2))]
 
     want = run(1, "full_batch", [None] * 5)
-    for got in _on_ranks(n, lambda: run(n, dataset, strategies), mode, dataset):
+    for got in on_ranks(n, lambda: run(n, dataset, strategies), mode, dataset):
         for a, b, what in zip(got, want, ("output", "input gradient", "w1 gradient", "w2 gradient")):
             np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12, err_msg=what)
 
@@ -373,7 +365,7 @@ def test_refusal_through_the_dispatcher_names_the_operator_and_the_rule():
             net(Tensor(np.ones((8, 6))))
         except StrategyError as e:
             return str(e)
-    msgs = _on_ranks(2, rank, "semi_auto_parallel")
+    msgs = on_ranks(2, rank, "semi_auto_parallel")
     assert len(set(msgs)) == 1
     assert "Concat (concat)" in msgs[0] and "the concatenation axis 1 is cut 2 in input 0" in msgs[0], msgs[0]
 
@@ -406,6 +398,6 @@ def test_getitem_with_a_tensor_index_equals_one_device(index, strategy, mode):
         return host(full_value(y)), host(gather_like(xt.grad, xt))
 
     want = run(None)
-    for got in _on_ranks(2, lambda: run(strategy), mode):
+    for got in on_ranks(2, lambda: run(strategy), mode):
         for a, b, what in zip(got, want, ("output", "input gradient")):
             np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12, err_msg=what)

@@ -51,6 +51,7 @@ from .. import _intra_op as intra_op
 from ..backend import get_array_module
 from ..tensor import is_grad_enabled
 from .primitive import Primitive
+from .manipulation import pad
 from .linalg import BiasAdd
 from .im2col import _PAD_MODES, _is_int, _pair, _pad_mode, _window_axis, _Windows, _correlate, _Phases
 from . import winograd
@@ -404,8 +405,7 @@ def conv_transpose2d(input, weight, bias=None, stride=1, padding=0, output_paddi
         bias: None or (C_out,).
         stride, padding, dilation: int or (h, w) pair.
         output_padding: int or pair, extra rows/columns at the bottom/right; less than stride
-            (PyTorch and MindSpore also allow it up to dilation - 1 where dilation > stride;
-            that case is not implemented here).
+            or, where dilation > stride, than dilation (as PyTorch and MindSpore).
         groups: channel groups; C_in must be divisible by it.
 
     Example:
@@ -429,18 +429,38 @@ def conv_transpose2d(input, weight, bias=None, stride=1, padding=0, output_paddi
         if extra[a] >= max(s[a], d[a]):
             raise ValueError(f"{op}: output_padding={output_padding!r} must be smaller than stride={stride!r} or "
                              f"dilation={dilation!r}")
-        if extra[a] >= s[a]:
-            raise NotImplementedError(f"{op}: output_padding={output_padding!r} >= stride={stride!r} (allowed where "
-                                      f"dilation > stride) is not implemented; output_padding must be < stride")
     size = [shape[0], wshape[1] * groups]
     for a in range(2):
         size.append((shape[2 + a] - 1) * s[a] - 2 * p[a] + d[a] * (wshape[2 + a] - 1) + extra[a] + 1)
     if min(size[2:]) < 1:
         raise ValueError(f"{op}: input of shape {shape} gives an empty output {tuple(size)}: padding={padding!r} "
                          f"is too large")
-    y = Conv2DTranspose(wshape[0], wshape[2:], pad_mode="pad", pad=(p[0], p[0], p[1], p[1]), stride=s,
-                        dilation=d, group=groups)(input, weight, tuple(size))
+    prim = Conv2DTranspose(wshape[0], wshape[2:], pad_mode="pad", pad=(p[0], p[0], p[1], p[1]), stride=s,
+                           dilation=d, group=groups)
+    y = transpose_with_output_padding(prim, input, weight, tuple(size), extra)
     return y if bias is None else BiasAdd()(y, bias)
+
+
+def transpose_with_output_padding(prim, x, w, size, extra):
+    """``prim`` (a Conv2DTranspose in 'pad' mode) on x and w to an output of ``size`` that has ``extra``
+    output padding rows / columns at the bottom / right.
+
+    An output_padding below the stride is the primitive's own business (the Conv2D it is the
+    adjoint of maps ``size`` back to x's size). From the stride up (allowed where dilation >
+    stride) no Conv2D maps ``size`` back, so it runs as a composite: the whole transposed
+    convolution (no padding), cropped by the padding, with zero rows appended where the output
+    reaches past it (no input touches them). Gradients come from the two primitives.
+    """
+    (sh, sw), pads = prim.stride, prim.pad
+    if extra[0] < sh and extra[1] < sw:
+        return prim(x, w, size)
+    pt, pb, pl, pr = pads
+    (kh, kw), (dh, dw) = prim.kernel_size, prim.dilation
+    n, _, h, wd = x.shape
+    whole = (n, size[1], (h - 1) * sh + (kh - 1) * dh + 1, (wd - 1) * sw + (kw - 1) * dw + 1)
+    y = Conv2DTranspose(prim.out_channel, prim.kernel_size, pad_mode="valid", stride=prim.stride,
+                        dilation=prim.dilation, group=prim.group)(x, w, whole)
+    return pad(y, (-pl, extra[1] - pr, -pt, extra[0] - pb))
 
 
 __all__ = ["Conv2D", "conv2d", "Conv2DTranspose", "conv_transpose2d"]

@@ -1,6 +1,7 @@
 """Conv2d and Conv2dTranspose: 2-D convolution and its transpose over NCHW inputs (MindSpore defaults:
 pad_mode='same', no bias)."""
 from ... import ops
+from ...ops.conv import transpose_with_output_padding
 from ...tensor import float32
 from ..cell import Cell
 from .basic import check_positive_int, default_bias_init, default_weight_init, make_parameter
@@ -167,7 +168,6 @@ class Conv2dTranspose(Cell):
     MindSpore and PyTorch differ on output_padding: MindSpore 2.10's layer appends zero rows,
     PyTorch computes them (they hold the windows' overlap where padding > 0). This layer
     computes them, as PyTorch and MindSpore's own ops.Conv2DTranspose given the larger size.
-    PyTorch also allows output_padding up to dilation - 1 where dilation > stride; not here.
 
     Example:
         >>> up = nn.Conv2dTranspose(16, 8, 3, stride=2, pad_mode="pad", padding=1, output_padding=1)
@@ -204,9 +204,6 @@ class Conv2dTranspose(Cell):
             if e >= max(s, d):
                 raise ValueError(f"{who}: output_padding={output_padding!r} must be smaller than stride="
                                  f"{self.stride} or dilation={self.dilation}")
-            if e >= s:
-                raise NotImplementedError(f"{who}: output_padding={output_padding!r} >= stride={self.stride} "
-                                          f"(allowed where dilation > stride) is not implemented")
         self.output_padding = tuple(extra)
         self.has_bias = bool(has_bias)
         shape = (in_channels, out_channels // group) + self.kernel_size
@@ -234,7 +231,7 @@ class Conv2dTranspose(Cell):
         size = (shape[0], self.out_channels) + tuple(
             _deconv_length(self.pad_mode, shape[2 + a], self.kernel_size[a], self.stride[a], self.dilation[a],
                            pads[2 * a] + pads[2 * a + 1], self.output_padding[a]) for a in range(2))
-        y = self.conv2d_transpose(x, self.weight, size)
+        y = transpose_with_output_padding(self.conv2d_transpose, x, self.weight, size, self.output_padding)
         if self.has_bias:
             y = self.bias_add(y, self.bias)
         return y

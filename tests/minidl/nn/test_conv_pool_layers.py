@@ -69,8 +69,6 @@ def test_conv2d_transpose_shard_and_repr():
     (dict(stride=2, pad_mode="pad", output_padding=2), ValueError,
      r"Conv2dTranspose: output_padding=2 must be smaller than stride=\(2, 2\) or dilation=\(1, 1\)"),
     (dict(stride=2, output_padding=1), ValueError, r"output_padding=1 needs pad_mode='pad', got 'same'"),
-    (dict(stride=1, dilation=3, pad_mode="pad", output_padding=1), NotImplementedError,
-     r"output_padding=1 >= stride=\(1, 1\) \(allowed where dilation > stride\) is not implemented"),
     (dict(group=3), ValueError, "in_channels=4 and out_channels=6 must both be divisible by group=3"),
     (dict(padding=1), ValueError, r"padding=1 needs pad_mode='pad', got pad_mode='same'"),
     (dict(pad_mode="full"), ValueError, r"pad_mode must be one of \('same', 'valid', 'pad'\)"),
@@ -89,7 +87,7 @@ def test_conv2d_transpose_input_check():
 
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("stride, padding, output_padding, dilation, group", [
-    (2, 1, 1, 1, 1), (3, 0, 2, 1, 2), (1, 2, 0, 2, 1), ((2, 1), (1, 0), (1, 0), 1, 2),
+    (2, 1, 1, 1, 1), (3, 0, 2, 1, 2), (1, 2, 0, 2, 1), ((2, 1), (1, 0), (1, 0), 1, 2), (1, 1, 2, 3, 2),
 ])
 def test_conv2d_transpose_pad_mode_matches_torch(stride, padding, output_padding, dilation, group):
     """pad_mode='pad' is PyTorch's ConvTranspose2d: values and gradients of input, weight and bias."""

@@ -166,8 +166,6 @@ def test_attribute_errors(kwargs, err, match):
 @pytest.mark.parametrize("kwargs, err, match", [
     (dict(stride=2, output_padding=2), ValueError,
      r"conv_transpose2d: output_padding=2 must be smaller than stride=2 or dilation=1"),
-    (dict(stride=1, dilation=3, output_padding=1), NotImplementedError,
-     r"output_padding=1 >= stride=1 .* not implemented"),
     (dict(groups=3), ValueError, r"input of shape \(1, 4, 3, 3\) has 4 channels; .* divisible by groups=3"),
     (dict(padding=-1), ValueError, r"padding must be an int or a pair of ints >= 0, got -1"),
     (dict(padding=3), ValueError, r"gives an empty output \(1, 2, -1, -1\)"),
@@ -180,6 +178,7 @@ def test_functional_errors(kwargs, err, match):
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("stride, padding, output_padding, dilation, groups", [
     (1, 0, 0, 1, 1), (2, 1, 1, 1, 1), (3, 2, 2, 1, 2), ((2, 3), (1, 0), (1, 2), 1, 1), (2, 2, 1, 2, 2), (1, 1, 0, 3, 1),
+    (1, 1, 2, 3, 1), (2, 0, 3, 4, 2),  # output_padding from the stride up to the dilation
 ])
 def test_matches_torch(stride, padding, output_padding, dilation, groups):
     """Values and both gradients against torch.nn.functional.conv_transpose2d."""
@@ -196,3 +195,19 @@ def test_matches_torch(stride, padding, output_padding, dilation, groups):
     np.testing.assert_allclose(y.asnumpy(), ty.detach().numpy(), rtol=1e-10, atol=1e-12)
     for got, want in ((mx, tx), (mw, tw), (mb, tb)):
         np.testing.assert_allclose(got.grad.asnumpy(), want.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("stride, dilation, padding, output_padding", [
+    (1, 3, 0, 1), (1, 3, 1, 2), ((1, 2), (3, 3), (2, 0), (2, 1)), (2, 4, 1, 3)])
+def test_output_padding_up_to_the_dilation(stride, dilation, padding, output_padding):
+    """Where dilation > stride the output padding may reach the stride (a crop of the whole
+    transposed convolution, then zero rows): checked against the scatter-loop reference and by
+    finite differences."""
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((2, 4, 3, 4)), rng.standard_normal((4, 2, 2, 3))
+    kw = dict(stride=stride, padding=padding, output_padding=output_padding, dilation=dilation)
+    pair = lambda v: (v, v) if isinstance(v, int) else v  # noqa: E731
+    (sh, sw), (dh, dw), (ph, pw), (eh, ew) = pair(stride), pair(dilation), pair(padding), pair(output_padding)
+    size = (2, 2, 2 * sh - 2 * ph + dh + eh + 1, 3 * sw - 2 * pw + 2 * dw + ew + 1)
+    check_op(lambda x, w: ops.conv_transpose2d(x, w, **kw), [x, w],
+             reference=lambda x, w: ref_conv_transpose(x, w, size, (sh, sw), (dh, dw), (ph, pw), 1))

@@ -12,23 +12,10 @@ from minidl import Parameter, Tensor, nn
 from minidl.io import load_checkpoint, save_checkpoint
 from minidl.optim import Adam, AdamWeightDecay, ExponentialDecayLR
 from minidl.testing import cupy_double
+from optim_helpers import makers, run
 
 SHAPES = [(3, 4), (4,), ()]
-
-
-def make_params(seed, names=("fc.weight", "fc.bias", "scale"), dtype=np.float64):
-    rng = np.random.default_rng(seed)
-    return [Parameter(rng.normal(size=s).astype(dtype), name=n) for n, s in zip(names, SHAPES)]
-
-
-def make_grads(seed, steps, dtype=np.float64):
-    rng = np.random.default_rng(seed)
-    return [[rng.normal(size=s).astype(dtype) for s in SHAPES] for _ in range(steps)]
-
-
-def run(opt, grads):
-    for gs in grads:
-        opt(tuple(Tensor(g) for g in gs))  # Tensors: on the parameters' device when the suite is pinned
+make_params, make_grads = makers(("fc.weight", "fc.bias", "scale"), SHAPES)
 
 
 def ref_adam(w, grads, lrs, b1=0.9, b2=0.999, eps=1e-8, wd=0.0, loss_scale=1.0, nesterov=False, amsgrad=False):

@@ -12,24 +12,11 @@ from minidl import Parameter, Tensor, nn
 from minidl.io import load_checkpoint, save_checkpoint
 from minidl.optim import LARS, SGD, Adam, Momentum
 from minidl.testing import cupy_double
+from optim_helpers import makers, run
 
 NAMES = ("fc.weight", "fc.bias", "bn.gamma", "LayerNorm.weight")
 SHAPES = [(3, 4), (4,), (), (2,)]
-
-
-def make_params(seed, dtype=np.float64):
-    rng = np.random.default_rng(seed)
-    return [Parameter(rng.normal(size=s).astype(dtype), name=n) for n, s in zip(NAMES, SHAPES)]
-
-
-def make_grads(seed, steps, dtype=np.float64):
-    rng = np.random.default_rng(seed)
-    return [[rng.normal(size=s).astype(dtype) for s in SHAPES] for _ in range(steps)]
-
-
-def run(opt, grads):
-    for gs in grads:
-        opt(tuple(Tensor(g) for g in gs))
+make_params, make_grads = makers(NAMES, SHAPES)
 
 
 def lars_grad(w, g, wd, lr, coefficient=0.001, epsilon=1e-5, use_clip=False):
@@ -175,9 +162,9 @@ def test_schedule_state_and_checkpoints_are_the_wrapped_optimizers(tmp_path):
 
 
 def test_float32_stays_float32():
-    params = make_params(2, np.float32)
+    params = make_params(2, dtype=np.float32)
     data = [p.data for p in params]
-    run(LARS(Momentum(params, 0.1, 0.9, weight_decay=1e-3), coefficient=0.02), make_grads(3, 3, np.float32))
+    run(LARS(Momentum(params, 0.1, 0.9, weight_decay=1e-3), coefficient=0.02), make_grads(3, 3, dtype=np.float32))
     assert all(p.data is d and p.data.dtype == np.float32 for p, d in zip(params, data))
 
 

@@ -9,12 +9,11 @@ from hypothesis import given, strategies as st
 
 import minidl
 from minidl import Parameter, Tensor, nn, ops
-from minidl_parallel import run_threads
 from minidl_parallel.tensor_parallel.dispatch import full_value, gather_like
 from minidl_parallel.tensor_parallel.layout import Layout
 from minidl_parallel.tensor_parallel.rules import Site, StrategyError, get_rule
 from minidl_parallel.tensor_parallel.rules.indexing import index_dims
-from rule_helpers import host, infer, layouts_of, spec
+from rule_helpers import host, infer, layouts_of, on_ranks, spec
 
 F64 = np.dtype(np.float64)
 
@@ -216,16 +215,6 @@ def test_index_dims_places_whole_dimensions_where_numpy_does(nd, data):
 
 
 # ---- real runs on thread-ranks -----------------------------------------------------------------
-
-def on_ranks(n, fn, mode, dataset="full_batch"):
-    def body():
-        import minidl_parallel as mp
-        mp.set_auto_parallel_context(parallel_mode=mode, dataset_strategy=dataset)
-        try:
-            return fn()
-        finally:
-            mp.reset_auto_parallel_context()
-    return run_threads(n, body, timeout=60)
 
 
 class _Loss(nn.Cell):

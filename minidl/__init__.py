@@ -11,6 +11,7 @@ from .tensor import (Tensor, Parameter, no_grad, is_grad_enabled,
 from .autograd import value_and_grad, grad
 from . import runtime
 from . import ops
+from .kernels import cpu as _cpu_kernels  # noqa: F401  (registers the CPU kernels)
 from . import common
 from . import nn
 from . import dataset

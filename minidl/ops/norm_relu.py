@@ -23,7 +23,7 @@ import numpy
 
 from .. import _intra_op as intra_op
 from ..backend import get_array_module
-from .math import _relu
+from ..kernels.cpu.elementwise import relu_rows, rows_apply
 from .norm import BatchNorm, _channel_sum, _per_channel
 
 _BLOCK_BYTES = 256 << 10  # a block of images per step: it and its scratch stay in a core's L2
@@ -85,7 +85,7 @@ class BatchNormReLU(BatchNorm):
             out += shift
             if residual is not None:
                 out += residual[i:j]
-            _relu(xp, out, out=out)
+            relu_rows(out, out=out) if rows_apply(out) else xp.maximum(out, 0, out=out)
         _blocks(xp, x, block)
         self.x, self.y = x, y
         return y

@@ -11,6 +11,10 @@ Inside backward, ``self.needs_grad[i]`` says whether argument i needs a gradient
 for the others can be skipped. ``xp = get_array_module(...)`` picks numpy or cupy: one body
 serves both.
 
+A faster way to compute an op on one array module lives in minidl/kernels, not here: ``apply``
+asks ``kernels.choose`` for each call, and a registered kernel that applies runs instead of the
+reference ``forward`` / ``backward`` written in the op's class.
+
 ``shard(in_strategy, out_strategy)`` only stores the strategy here; minidl_parallel reads
 it. A call asks the active runtime (minidl/runtime.py) to run the op: the local runtime
 calls ``apply``; a parallel one may redistribute the inputs first.
@@ -20,11 +24,12 @@ on the GPU) fail inside the op body with CuPy's bare "Unsupported type" TypeErro
 turns that into one that names the op, which inputs are where, and the fix
 (``_device_mix_error``).
 """
+import functools
 import inspect
 
 import numpy
 
-from .. import backend
+from .. import backend, kernels
 from ..runtime import LOCAL, get_runtime
 from ..tensor import Tensor, is_grad_enabled
 
@@ -74,8 +79,9 @@ class Primitive:
         node = object.__new__(type(self))
         node.__dict__.update(self.__dict__)
         arrays = [a.data if isinstance(a, Tensor) else a for a in args]
+        kernel = kernels.choose(node, arrays)  # a registered fast path, or None: the reference body
         try:
-            out = node.forward(*arrays)
+            out = node.forward(*arrays) if kernel is None else kernel.forward(node, *arrays)
         except (TypeError, ValueError) as exc:
             # Explained here, after the fact, rather than checked before every call: this costs
             # nothing while ops succeed, and host values an op does accept on the GPU (scalars,
@@ -96,6 +102,8 @@ class Primitive:
                     needs[i] = True
                 node.needs_grad = needs
                 node.inputs = inputs
+                if kernel is not None:  # the instance attribute shadows the class's backward for this call
+                    node.backward = functools.partial(kernel.backward, node)
                 return Tensor._wrap(out, node)
         return Tensor._wrap(out)
 

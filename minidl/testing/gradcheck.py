@@ -2,7 +2,9 @@
 
 1. the forward against the reference (float64, tight tolerance),
 2. every input gradient against central finite differences of sum(f(x) * gy) in float64,
-3. the float32 path: output dtype stays float32 and values match the reference loosely.
+3. the float32 path: output dtype stays float32 and values match the reference loosely,
+4. the fast kernels (minidl/kernels) that ran against the reference bodies: the same forward
+   and gradients, bit for bit or within the kernels' stated bound.
 
 Inputs are NumPy arrays; float arrays are differentiated, integer/bool arrays (labels,
 indices) are passed through as constants. ``fn`` receives minidl Tensors and returns one.
@@ -12,7 +14,7 @@ Example:
 """
 import numpy as np
 
-from .. import backend
+from .. import backend, kernels
 from ..tensor import Tensor
 
 
@@ -114,7 +116,9 @@ def check_op(fn, inputs, reference=None, positions=None, eps=1e-6, rtol=1e-5, at
     if reference is not None:
         check_forward(fn, inputs, reference, rtol=fwd_rtol, atol=fwd_atol)
     check_backward(fn, inputs, positions=positions, eps=eps, rtol=rtol, atol=atol)
+    check_kernels(fn, inputs)
     if check_float32:
+        check_kernels(fn, inputs, np.float32)
         ts = _to_tensors(inputs, np.float32, requires_grad=False)
         y = fn(*ts)
         if any(isinstance(a, np.ndarray) and _is_float(a) for a in inputs) and np.issubdtype(y.dtype, np.floating):
@@ -123,3 +127,38 @@ def check_op(fn, inputs, reference=None, positions=None, eps=1e-6, rtol=1e-5, at
             expected = np.asarray(reference(*inputs))
             scale = max(1.0, float(np.max(np.abs(expected))) if expected.size else 1.0)
             assert_allclose(y, expected, rtol=1e-4, atol=1e-4 * scale, err_msg="float32 forward differs")
+
+
+def _forward_backward(fn, inputs, dtype, seed=0):
+    ts = _to_tensors(inputs, dtype, requires_grad=True)
+    y = fn(*ts)
+    gy = np.random.default_rng(seed).standard_normal(y.shape).astype(y.dtype)
+    if y.dtype.kind == "f":
+        y.backward(Tensor(gy))
+    grads = [t.grad.asnumpy() if isinstance(t, Tensor) and t.grad is not None else None for t in ts]
+    return y.asnumpy(), grads
+
+
+def check_kernels(fn, inputs, dtype=np.float64):
+    """When a fast kernel ran in ``fn``, its forward and gradients against the reference bodies'
+    (kernels.reference_only): equal bit for bit, or within the loosest stated bound of the kernels
+    that ran. Returns the kernels that ran."""
+    inputs = _normalise(inputs)
+    with kernels.tracking() as used:
+        fast = _forward_backward(fn, inputs, dtype)
+    if not used:
+        return used
+    with kernels.reference_only():
+        ref = _forward_backward(fn, inputs, dtype)
+    bounds = [k.bound for k in used if k.bound is not None]
+    rtol, atol = (max(b[0] for b in bounds), max(b[1] for b in bounds)) if bounds else (0.0, 0.0)
+    names = ", ".join(sorted(k.name for k in used))
+    pairs = [(fast[0], ref[0], "forward")] + [(g, r, f"gradient of input {i}")
+                                             for i, (g, r) in enumerate(zip(fast[1], ref[1])) if r is not None]
+    for got, want, what in pairs:
+        if rtol == atol == 0.0:
+            np.testing.assert_array_equal(got, want, err_msg=f"kernels {names}: {what} differs from the reference")
+        else:
+            np.testing.assert_allclose(got, want, rtol=rtol, atol=atol,
+                                       err_msg=f"kernels {names}: {what} beyond the stated bound")
+    return used

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_conv.py                  # all shapes, threads = cpu count
     python benchmarks/bench_conv.py --threads 1 --iters 5 --dtype float64
-    python benchmarks/bench_conv.py --winograd       # the opt-in Winograd path for minidl
+    python benchmarks/bench_conv.py --reference      # minidl's reference bodies, no kernels
 
 For each convolution shape of ResNet-20 prints the forward and forward+backward time of
 minidl and, when PyTorch is installed, of torch.nn.functional.conv2d with as many intra-op
@@ -44,8 +44,8 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=3, help="alternating rounds of the two workers")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS / intra-op threads for both")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--winograd", action="store_true",
-                   help="minidl's 3x3 stride-1 convs with 32+ channels by Winograd F(2x2,3x3) (MINIDL_WINOGRAD=1)")
+    p.add_argument("--reference", action="store_true",
+                   help="minidl's reference conv bodies only, no kernels (MINIDL_KERNELS=reference)")
     p.add_argument("--worker", choices=["minidl", "torch"], help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -120,8 +120,8 @@ def worker(args):
 
 
 def run_worker(args, which):
-    if args.winograd:
-        os.environ["MINIDL_WINOGRAD"] = "1"  # read when the worker imports minidl
+    if args.reference:
+        os.environ["MINIDL_KERNELS"] = "reference"  # read when the worker imports minidl
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", which, "--batch", str(args.batch),
            "--iters", str(args.iters), "--threads", str(args.threads), "--dtype", args.dtype]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout

@@ -4,7 +4,7 @@
 
 For each 3x3 stage (K = 9*C rows of columns, O output channels, m columns per chunk of
 images) times ``w (O, K) @ col (K, m)`` with one BLAS thread, once with col's rows packed
-at pitch m and once at the pitch Conv2D uses (``im2col._row_pitch``: an odd multiple of
+at pitch m and once at the pitch the conv kernels use (``im2col._row_pitch``: an odd multiple of
 64 bytes). A pitch that is a multiple of a large power of two maps the rows BLAS packs
 together onto the same cache sets. Prints the best-of-30 quarter-percentile GFLOP/s.
 """
@@ -16,7 +16,7 @@ os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "1"
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from minidl.ops.im2col import _row_pitch  # noqa: E402
+from minidl.kernels.cpu.im2col import _row_pitch  # noqa: E402
 
 # (stage, K, O, m): m = images per chunk * OH * row pitch of the flat rows
 SHAPES = [("16ch 32x32", 144, 16, 6144), ("16ch 32x32", 144, 16, 6336), ("32ch 16x16", 288, 32, 3072),

@@ -1,17 +1,31 @@
 """Training-step throughput: minidl vs PyTorch (CPU), same model, same batch, same threads.
 
-    python benchmarks/bench_train.py                 # ResNet-20 (batch 64) and MLP (batch 256)
-    python benchmarks/bench_train.py --model mlp --steps 20 --threads 1
+    python benchmarks/bench_train.py                  # ResNet-20 twice (ours, user-written), MLP
+    python benchmarks/bench_train.py --model resnet20_user --steps 20 --threads 1
+    python benchmarks/bench_train.py --model mlp --mode graph   # minidl under set_context(mode=GRAPH_MODE)
 
-Prints images/s for each framework and the ratio minidl / PyTorch (PyTorch runs only when
-it is installed: `pip install torch==2.13.0`). Also prints the framework overhead of one
-tiny op (the cost of the Python layer around a 1-element NumPy add).
+Models: ``resnet20`` is minidl.models.resnet20 (its blocks call the fused
+``BatchNorm2d.with_relu``); ``resnet20_user`` the same network written as a user writes it,
+with separate Conv2d, BatchNorm2d and ReLU cells (benchmarks/models_minidl.py); both batch 64
+on 3x32x32. ``mlp`` is 784-512-512-10 at batch 256. PyTorch 2.13 CPU (``pip install
+torch==2.13.0``; skipped when absent) runs the twin of each (benchmarks/models_torch.py).
 
-Each framework runs in its own worker process, and the workers alternate for ``--repeats``
-rounds; each round reports the median step time of its ``--steps`` steps (as
-bench_conv.py does), and the best round of each framework is kept. In one process the spin-waiting worker threads of
-OpenBLAS (NumPy) and OpenMP (PyTorch) take the 2 cores from each other and slow minidl
-down by 2x or more, which would measure the neighbour, not the framework.
+Per model it prints:
+- ms per step and images/s, and the throughput ratio minidl / PyTorch;
+- the fraction of the machine's limit: the step's convolution and linear FLOPs (forward and
+  backward, counted from the layers by benchmarks/flops.py: 15.62 GFLOP for ResNet-20 at
+  batch 64) over the step time, divided by the sgemm rate measured in this run (a 2048^3
+  float32 matmul with the same thread count, in NumPy's OpenBLAS and in PyTorch, each in its
+  own process; the faster is the limit);
+- peak memory: the peak resident set (VmHWM) of the worker after its steps, and its resident
+  set after importing its framework, before the model was built.
+
+Every measurement runs in its own worker process that imports only its own framework (the
+driver imports neither): in one process the spin-waiting threads of OpenBLAS (NumPy) and
+OpenMP (PyTorch) take the cores from each other, and peak memory would mix the two. The
+workers alternate for ``--repeats`` rounds; each round reports the median step time of its
+``--steps`` steps (a few steps slowed by a neighbour do not move it), and the best round of
+each is kept. Finally the framework overhead of one tiny op is printed.
 """
 import argparse
 import json
@@ -20,101 +34,57 @@ import subprocess
 import sys
 import time
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # minidl from this checkout; HERE is already on the path
+
+# model -> the architecture both frameworks build, its batch and input
+MODELS = {
+    "resnet20": dict(arch="resnet20", batch=64, input=(3, 32, 32), classes=10),
+    "resnet20_user": dict(arch="resnet20", batch=64, input=(3, 32, 32), classes=10),
+    "mlp": dict(arch="mlp", batch=256, input=(784,), classes=10),
+}
+GEMM_REPS = 10
+
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["resnet20", "mlp", "all"], default="all")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per framework")
+    p.add_argument("--model", choices=list(MODELS) + ["all"], default="all",
+                   help="all: resnet20, resnet20_user and mlp")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS / intra-op threads for both")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="BLAS / intra-op threads for both frameworks and the sgemm")
     p.add_argument("--repeats", type=int, default=3, help="alternating timing rounds; the best is kept")
-    p.add_argument("--worker", choices=["minidl", "pytorch"], help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=["pynative", "graph"], default="pynative",
+                   help="minidl's execution mode: set_context(mode=PYNATIVE_MODE or GRAPH_MODE)")
+    p.add_argument("--gemm-size", type=int, default=2048, help="n of the n x n x n sgemm that measures the limit")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args()
 
 
 args = parse_args()
-# Thread counts must be fixed before NumPy's BLAS is loaded.
+# Thread counts must be fixed before NumPy's BLAS or PyTorch is loaded (in the workers).
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = str(args.threads)
 
-import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import minidl  # noqa: E402
-from minidl import nn, ops, Tensor  # noqa: E402
-from minidl.models import resnet20, MLP  # noqa: E402
+# ---- workers: each runs in its own process and prints one JSON line ----
 
-torch = None
-if args.worker == "pytorch":
-    import torch
-    torch.set_num_threads(args.threads)
-
-CONFIGS = {
-    "resnet20": dict(batch=64, input=(3, 32, 32), classes=10),
-    "mlp": dict(batch=256, input=(784,), classes=10),
-}
-
-
-def minidl_step_fn(name):
-    minidl.set_seed(0)
-    net = resnet20() if name == "resnet20" else MLP((784, 512, 512, 10))
-    net.set_train(True)
-    loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
-    opt = nn.Momentum(net.trainable_params(), learning_rate=0.01, momentum=0.9)
-    grad_fn = minidl.value_and_grad(lambda x, y: loss_fn(net(x), y), None, opt.parameters)
-
-    def step(x, y):
-        loss, grads = grad_fn(x, y)
-        opt(grads)
-        return loss
-    return step, lambda x, y: (Tensor(x), Tensor(y))
-
-
-def torch_step_fn(name):
-    torch.manual_seed(0)
-    tnn = torch.nn
-    if name == "mlp":
-        net = tnn.Sequential(tnn.Linear(784, 512), tnn.ReLU(), tnn.Linear(512, 512), tnn.ReLU(), tnn.Linear(512, 10))
-    else:
-        class Block(tnn.Module):
-            def __init__(self, cin, cout, stride):
-                super().__init__()
-                self.c1 = tnn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-                self.b1 = tnn.BatchNorm2d(cout)
-                self.c2 = tnn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-                self.b2 = tnn.BatchNorm2d(cout)
-                self.down = None
-                if stride != 1 or cin != cout:
-                    self.down = tnn.Sequential(tnn.Conv2d(cin, cout, 1, stride, bias=False), tnn.BatchNorm2d(cout))
-
-            def forward(self, x):
-                idt = x if self.down is None else self.down(x)
-                out = torch.relu(self.b1(self.c1(x)))
-                return torch.relu(self.b2(self.c2(out)) + idt)
-
-        layers, cin = [tnn.Conv2d(3, 16, 3, 1, 1, bias=False), tnn.BatchNorm2d(16), tnn.ReLU()], 16
-        for i, w in enumerate((16, 32, 64)):
-            for j in range(3):
-                layers.append(Block(cin, w, 2 if i > 0 and j == 0 else 1))
-                cin = w
-        layers += [tnn.AdaptiveAvgPool2d(1), tnn.Flatten(), tnn.Linear(64, 10)]
-        net = tnn.Sequential(*layers)
-    net.train()
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    loss_fn = tnn.CrossEntropyLoss()
-
-    def step(x, y):
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(net(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-    return step, lambda x, y: (torch.from_numpy(x), torch.from_numpy(y))
+def memory_mib():
+    """(resident, peak resident) of this process in MiB: VmRSS and VmHWM from /proc/self/status,
+    or (None, ru_maxrss) where there is no /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+    except (OSError, KeyError, ValueError):
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return None, peak / (1024 * 1024 if sys.platform == "darwin" else 1024)
 
 
 def time_steps(step, x, y, steps):
-    """The median seconds of ``steps`` steps: a few steps slowed by a neighbour on a shared host
-    do not move it, where they move a mean."""
+    """The median seconds of ``steps`` steps."""
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -123,49 +93,57 @@ def time_steps(step, x, y, steps):
     return sorted(times)[len(times) // 2]
 
 
-def worker(framework, name):
-    """Runs in a child process: prints the seconds per step of one round as JSON."""
-    cfg = CONFIGS[name]
+def train_worker(framework, model):
+    """Times one round of training steps of ``model`` in ``framework``; reports time and memory."""
+    import numpy as np
+    spec = MODELS[model]
+    if framework == "minidl":
+        import minidl
+        import models_minidl
+        minidl.set_context(mode=minidl.GRAPH_MODE if args.mode == "graph" else minidl.PYNATIVE_MODE)
+        after_import = memory_mib()[0]
+        step, convert = models_minidl.step_fn(model), minidl.Tensor
+    else:
+        import torch
+        import models_torch
+        torch.set_num_threads(args.threads)
+        after_import = memory_mib()[0]
+        step, convert = models_torch.step_fn(spec["arch"]), torch.from_numpy
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((cfg["batch"],) + cfg["input"]).astype(np.float32)
-    y = rng.integers(0, cfg["classes"], cfg["batch"]).astype(np.int64)
-    step, convert = (minidl_step_fn if framework == "minidl" else torch_step_fn)(name)
-    bx, by = convert(x, y)
-    time_steps(step, bx, by, args.warmup)
-    print(json.dumps({"seconds": time_steps(step, bx, by, args.steps)}), flush=True)
+    x = convert(rng.standard_normal((spec["batch"],) + spec["input"]).astype(np.float32))
+    y = convert(rng.integers(0, spec["classes"], spec["batch"]).astype(np.int64))
+    time_steps(step, x, y, args.warmup)
+    seconds = time_steps(step, x, y, args.steps)
+    return {"seconds": seconds, "peak_mib": memory_mib()[1], "import_mib": after_import}
 
 
-def run_worker(framework, name):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", framework, "--model", name,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+def sgemm_worker(framework):
+    """The best GFLOP/s of an n x n x n float32 matmul, n = --gemm-size, on --threads threads."""
+    n = args.gemm_size
+    if framework == "numpy":
+        import numpy as np
+        rng = np.random.default_rng(0)
+        a, b = rng.random((n, n), dtype=np.float32), rng.random((n, n), dtype=np.float32)
+        out = np.empty((n, n), np.float32)
+        matmul = lambda: np.matmul(a, b, out=out)  # noqa: E731
+    else:
+        import torch
+        torch.set_num_threads(args.threads)
+        a, b, out = torch.rand(n, n), torch.rand(n, n), torch.empty(n, n)
+        matmul = lambda: torch.mm(a, b, out=out)  # noqa: E731
+    matmul()
+    best = float("inf")
+    for _ in range(GEMM_REPS):
+        t0 = time.perf_counter()
+        matmul()
+        best = min(best, time.perf_counter() - t0)
+    return {"gflops": 2 * n ** 3 / best / 1e9}
 
 
-def torch_installed():
-    try:
-        import importlib.util
-        return importlib.util.find_spec("torch") is not None
-    except ImportError:
-        return False
-
-
-def bench(name):
-    cfg = CONFIGS[name]
-    frameworks = ["minidl"] + (["pytorch"] if torch_installed() else [])
-    best = {k: float("inf") for k in frameworks}
-    for _ in range(args.repeats):
-        for k in frameworks:
-            best[k] = min(best[k], run_worker(k, name))
-    line = f"{name:9s} batch {cfg['batch']:4d}"
-    for k, t in best.items():
-        line += f" | {k}: {t * 1e3:8.1f} ms/step {cfg['batch'] / t:8.1f} img/s"
-    if "pytorch" in best:
-        line += f" | ratio minidl/pytorch = {best['pytorch'] / best['minidl']:.2f}"
-    print(line, flush=True)
-
-
-def op_overhead():
+def overhead_worker():
+    """The cost of minidl's Python layer around a 1-element NumPy add (printed, not returned)."""
+    import numpy as np
+    from minidl import ops, Tensor
     a, b = Tensor(np.ones(1, np.float32)), Tensor(np.ones(1, np.float32))
     na, nb = a.data, b.data
     n = 20000
@@ -179,16 +157,114 @@ def op_overhead():
     ours = min(timeit(lambda: ops.add(a, b)) for _ in range(3))
     ar = Tensor(np.ones(1, np.float32), requires_grad=True)
     rec = min(timeit(lambda: ops.add(ar, b)) for _ in range(3))
-    print(f"tiny-op overhead: numpy add {raw:.2f} us; minidl ops.add {ours:.2f} us (+{ours - raw:.2f}); "
-          f"recorded for backward {rec:.2f} us (+{rec - raw:.2f})")
+    return {"line": f"tiny-op overhead: numpy add {raw:.2f} us; minidl ops.add {ours:.2f} us (+{ours - raw:.2f}); "
+                    f"recorded for backward {rec:.2f} us (+{rec - raw:.2f})"}
+
+
+def worker(kind):
+    if kind in ("minidl", "pytorch"):
+        return train_worker(kind, args.model)
+    if kind.startswith("sgemm-"):
+        return sgemm_worker(kind[len("sgemm-"):])
+    if kind == "overhead":
+        return overhead_worker()
+    raise ValueError(f"bench_train: unknown worker {kind!r}")
+
+
+# ---- driver: imports no framework ----
+
+def run_worker(kind, model="mlp"):
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--model", model, "--mode", args.mode,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+           "--gemm-size", str(args.gemm_size)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"bench_train: worker {kind} {model} failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def installed(package):
+    import importlib.util
+    return importlib.util.find_spec(package) is not None
+
+
+def version(package):
+    import importlib.metadata
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine():
+    """The CPU's model name and vector extensions (from /proc/cpuinfo), and the cores we may use."""
+    name, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+    except OSError:
+        import platform
+        name = platform.processor() or platform.machine()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name} ({isa}), {len(os.sched_getaffinity(0))} cores"
+
+
+def bench(arch, models, torch_ok):
+    """Alternating rounds of every minidl model of ``arch``, its PyTorch twin and the sgemm; one table."""
+    import flops
+    spec = MODELS[models[0]]
+    runs = [("minidl", m) for m in models] + ([("pytorch", arch)] if torch_ok else [])
+    gemms = ["numpy"] + (["pytorch"] if torch_ok else [])
+    best = {r: {"seconds": float("inf"), "peak_mib": 0.0, "import_mib": 0.0} for r in runs}
+    gemm = {g: 0.0 for g in gemms}
+    for _ in range(args.repeats):
+        for g in gemms:
+            gemm[g] = max(gemm[g], run_worker(f"sgemm-{g}")["gflops"])
+        for framework, model in runs:
+            r, b = run_worker(framework, model), best[(framework, model)]
+            b["seconds"] = min(b["seconds"], r["seconds"])
+            b["peak_mib"] = max(b["peak_mib"], r["peak_mib"])  # the worst round: memory should not vary
+            b["import_mib"] = max(b["import_mib"], r["import_mib"] or 0.0)
+    step_flop = flops.step_flops(flops.ARCHITECTURES[arch](), spec["batch"])[1]
+    limit = max(gemm.values())
+    print(f"\n{arch}, batch {spec['batch']}: conv + linear {step_flop / 1e9:.2f} GFLOP per step (forward + backward); "
+          f"sgemm {args.gemm_size}^3 on {args.threads} thread(s): "
+          + ", ".join(f"{g} {v:.0f}" for g, v in gemm.items()) + f" GFLOP/s; limit {limit:.0f} GFLOP/s")
+    print(f"  {'run':22s} {'ms/step':>8s} {'img/s':>8s} {'vs torch':>8s} {'GFLOP/s':>8s} {'of limit':>8s} "
+          f"{'peak RSS':>9s} {'at import':>9s}")
+    torch_s = best.get(("pytorch", arch), {}).get("seconds")
+    for (framework, model), b in best.items():
+        t = b["seconds"]
+        ratio = f"{torch_s / t:8.2f}" if torch_s and framework == "minidl" else f"{'':8s}"
+        label = f"{framework} {model}" if framework == "minidl" else f"pytorch {arch}"
+        print(f"  {label:22s} {t * 1e3:8.1f} {spec['batch'] / t:8.1f} {ratio} {step_flop / t / 1e9:8.1f} "
+              f"{step_flop / t / 1e9 / limit:8.2f} {b['peak_mib']:5.0f} MiB {b['import_mib']:5.0f} MiB", flush=True)
+
+
+def load_note():
+    """The 1-minute load average, and a warning when other processes compete for the cores."""
+    load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    busy = "" if load < cores + 0.5 else f" (WARNING: above {cores} cores: the figures measure the neighbours too)"
+    return f"load average {load:.2f}{busy}"
+
+
+def main():
+    torch_ok = installed("torch")
+    print(f"machine: {machine()}; threads={args.threads}; numpy {version('numpy')}; torch {version('torch')}; "
+          f"minidl mode {args.mode}; {args.steps} steps per round, best of {args.repeats} rounds; {load_note()}")
+    models = ["resnet20", "resnet20_user", "mlp"] if args.model == "all" else [args.model]
+    for arch in dict.fromkeys(MODELS[m]["arch"] for m in models):
+        bench(arch, [m for m in models if MODELS[m]["arch"] == arch], torch_ok)
+    print("\n" + run_worker("overhead")["line"])
+    print(f"at the end: {load_note()}")
 
 
 if __name__ == "__main__" and args.worker:
-    worker(args.worker, args.model)
+    print(json.dumps(worker(args.worker)), flush=True)
 elif __name__ == "__main__":
-    import platform
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; threads={args.threads}; "
-          f"numpy {np.__version__}; torch {'installed' if torch_installed() else 'not installed'}")
-    for name in (["resnet20", "mlp"] if args.model == "all" else [args.model]):
-        bench(name)
-    op_overhead()
+    main()

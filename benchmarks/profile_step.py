@@ -1,12 +1,21 @@
-"""Where a training step's time goes: forward and backward time per op type (and per conv shape).
+"""Where a minidl training step's time goes: per op class and per kernel, forward and backward.
 
-    python benchmarks/profile_step.py                   # ResNet-20, batch 64, all cores
-    python benchmarks/profile_step.py --threads 1 --steps 10
+    python benchmarks/profile_step.py                       # the user-written ResNet-20, batch 64
+    python benchmarks/profile_step.py --model resnet20 --by-shape --threads 1 --steps 10
 
-Every Primitive's forward and backward is wrapped with a timer for the run, so the table
-adds up to the step minus the Python glue between ops (autograd bookkeeping, the optimizer),
-which is printed as "other". Per op: the median over the steps of its summed time per step.
-The wrappers cost a few microseconds per call, small against ResNet's ops.
+For the profiled steps only, and from the outside (nothing in minidl changes):
+``Primitive.apply`` is wrapped to time each op call's forward, to note which kernel ran
+(``minidl.kernels.tracking()``; "reference" when none did) and to wrap the recorded node's
+``backward``, which the autograd loop calls, so its backward is timed under the same label.
+Times are exclusive: an op called inside another op's forward or backward counts for itself,
+not twice. What no op accounts for is "other": autograd's bookkeeping and the Python between
+ops (loss, value_and_grad), and the optimizer's own work outside ops.
+
+Per row, the median over the steps of its summed time per step, and its share of the median
+step (so the rows need not add up to exactly 100%). The wrappers cost a few microseconds per
+call: the unprofiled step time is printed beside the profiled one. Steps run eagerly (the
+default PYNATIVE_MODE), where every op goes through ``Primitive.apply``. Conv2D and MatMul calls
+also count their forward FLOPs, checked against benchmarks/flops.py's count from the layers.
 """
 import argparse
 import collections
@@ -17,11 +26,12 @@ import time
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["resnet20", "resnet18"], default="resnet20")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--steps", type=int, default=8, help="timed steps")
+    p.add_argument("--model", choices=["resnet20_user", "resnet20", "resnet18", "mlp"], default="resnet20_user")
+    p.add_argument("--batch", type=int, help="default: 64, 256 for the MLP")
+    p.add_argument("--steps", type=int, default=8, help="timed steps (profiled, and as many unprofiled)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS / intra-op threads")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="BLAS / intra-op threads")
+    p.add_argument("--by-shape", action="store_true", help="split Conv2D rows by layer shape")
     return p.parse_args()
 
 
@@ -31,87 +41,157 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import minidl  # noqa: E402
-from minidl import nn, ops, Tensor  # noqa: E402
-from minidl.models import resnet18, resnet20  # noqa: E402
+from minidl import kernels, ops  # noqa: E402
 from minidl.ops.primitive import Primitive  # noqa: E402
-
-_times = collections.defaultdict(float)  # (label, "fwd"/"bwd") -> seconds this step
-
-
-def _label(op, arrays):
-    if isinstance(op, ops.Conv2D):
-        x = arrays[0] if arrays else op.x
-        return f"Conv2D {op.kernel_size[0]}x{op.kernel_size[1]}/{op.stride[0]} {x.shape[1]}->{op.out_channel} " \
-               f"{x.shape[2]}x{x.shape[3]}"
-    return op.name
+from minidl.tensor import Tensor  # noqa: E402
+import flops  # noqa: E402
+import models_minidl  # noqa: E402
 
 
-def _wrap(cls):
-    fwd, bwd = cls.forward, cls.backward
+class StepProfile:
+    """``with StepProfile() as prof:`` times every op call's forward and backward in the block.
 
-    def forward(self, *a):
+    ``prof.fwd`` / ``prof.bwd``: {(op, kernel): exclusive seconds}; ``prof.calls``: {(op, kernel):
+    forward calls}; ``prof.flop``: forward FLOPs of Conv2D and MatMul calls; ``prof.total()``:
+    the seconds of all of them. Clear them with ``prof.clear()``.
+    """
+
+    def __init__(self, by_shape=False):
+        self.by_shape = by_shape
+        self._stack = []  # per open timed call: seconds spent in calls nested inside it
+        self.clear()
+
+    def clear(self):
+        self.fwd, self.bwd = collections.defaultdict(float), collections.defaultdict(float)
+        self.calls, self.flop = collections.Counter(), 0
+
+    def total(self):
+        return sum(self.fwd.values()) + sum(self.bwd.values())
+
+    def _timed(self, fn, table, label, *a):
+        self._stack.append(0.0)
         t = time.perf_counter()
-        out = fwd(self, *a)
-        self._profile_label = _label(self, a)
-        _times[(self._profile_label, "fwd")] += time.perf_counter() - t
-        return out
+        try:
+            return fn(*a)
+        finally:
+            spent = time.perf_counter() - t
+            nested = self._stack.pop()
+            if self._stack:
+                self._stack[-1] += spent
+            table[label] += spent - nested
 
-    def backward(self, gy):
-        t = time.perf_counter()
-        out = bwd(self, gy)
-        _times[(self._profile_label, "bwd")] += time.perf_counter() - t
-        return out
-    cls.forward, cls.backward = forward, backward
+    def _label(self, prim, args, used):
+        kernel = next((k.name for k in used if k.op is type(prim)), "reference")
+        op = prim.name
+        if self.by_shape and isinstance(prim, ops.Conv2D):
+            x, w = (getattr(a, "shape", None) for a in args[:2])
+            op = f"Conv2D {w[2]}x{w[3]}/{prim.stride[0]} {x[1]}->{w[0]} {x[2]}x{x[3]}"
+        return op, kernel
+
+    def _count_flop(self, prim, args, out):
+        if isinstance(prim, ops.Conv2D):  # 2 x N x out pixels x O x C/g x kh x kw
+            w = args[1].shape
+            self.flop += 2 * out.data.size * w[1] * w[2] * w[3]
+        elif isinstance(prim, ops.MatMul):  # 2 x out elements x the contracted length
+            self.flop += 2 * out.data.size * args[0].shape[-2 if prim.transpose_a else -1]
+
+    def __enter__(self):
+        original, profile = Primitive.apply, self
+
+        def apply(prim, *a):
+            # Timed here rather than through _timed: the label is known only after the call,
+            # once it is known which kernel ran.
+            profile._stack.append(0.0)
+            t = time.perf_counter()
+            try:
+                with kernels.tracking() as used:
+                    out = original(prim, *a)
+            finally:
+                spent = time.perf_counter() - t
+                nested = profile._stack.pop()
+                if profile._stack:
+                    profile._stack[-1] += spent
+            label = profile._label(prim, a, used)
+            profile.fwd[label] += spent - nested
+            profile.calls[label] += 1
+            if isinstance(out, Tensor):
+                profile._count_flop(prim, a, out)
+                node = out._node
+                if node is not None:
+                    backward = node.backward  # the op's own, or its kernel's (an instance attribute)
+                    node.backward = lambda gy: profile._timed(backward, profile.bwd, label, gy)
+            return out
+        self._original = original
+        Primitive.apply = apply
+        return self
+
+    def __exit__(self, *exc):
+        Primitive.apply = self._original
 
 
-def _subclasses(cls):
-    for sub in cls.__subclasses__():
-        yield sub
-        yield from _subclasses(sub)
+def run_steps(grad_fn, opt, x, y, steps, prof=None):
+    """Per step: (step seconds, value_and_grad seconds outside ops, optimizer seconds outside ops,
+    {(op, kernel): (forward seconds, backward seconds, calls)}, forward FLOPs counted)."""
+    out = []
+    for _ in range(steps):
+        if prof is not None:
+            prof.clear()
+        t0 = time.perf_counter()
+        _, grads = grad_fn(x, y)
+        t1, in_grad = time.perf_counter(), prof.total() if prof is not None else 0.0
+        opt(grads)
+        t2 = time.perf_counter()
+        if prof is None:
+            out.append((t2 - t0, None, None, {}, 0))
+            continue
+        in_opt = prof.total() - in_grad
+        rows = {k: (prof.fwd.get(k, 0.0), prof.bwd.get(k, 0.0), prof.calls[k]) for k in set(prof.fwd) | set(prof.bwd)}
+        out.append((t2 - t0, t1 - t0 - in_grad, t2 - t1 - in_opt, rows, prof.flop))
+    return out
 
 
 def main():
-    for cls in set(_subclasses(Primitive)):
-        if "forward" in cls.__dict__ or "backward" in cls.__dict__:
-            _wrap(cls)
-    minidl.set_seed(0)
-    net = resnet20() if args.model == "resnet20" else resnet18()
-    net.set_train(True)
-    loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
-    opt = nn.Momentum(net.trainable_params(), learning_rate=0.01, momentum=0.9)
-    grad_fn = minidl.value_and_grad(lambda x, y: loss_fn(net(x), y), None, opt.parameters)
+    batch = args.batch or (256 if args.model == "mlp" else 64)
+    _, grad_fn, opt = models_minidl.training_parts(args.model)
     rng = np.random.default_rng(0)
-    x = Tensor(rng.standard_normal((args.batch, 3, 32, 32)).astype(np.float32))
-    y = Tensor(rng.integers(0, 10, args.batch).astype(np.int32))
+    shape = (batch, 784) if args.model == "mlp" else (batch, 3, 32, 32)
+    x = minidl.Tensor(rng.standard_normal(shape).astype(np.float32))
+    y = minidl.Tensor(rng.integers(0, 10, batch).astype(np.int64))
 
-    per_step, totals = collections.defaultdict(list), []
-    for i in range(args.warmup + args.steps):
-        _times.clear()
-        t = time.perf_counter()
-        _, grads = grad_fn(x, y)
-        opt(grads)
-        total = time.perf_counter() - t
-        if i >= args.warmup:
-            totals.append(total)
-            for k, v in _times.items():
-                per_step[k].append(v)
-            per_step[("other", "")].append(total - sum(_times.values()))
+    run_steps(grad_fn, opt, x, y, args.warmup)
+    plain = run_steps(grad_fn, opt, x, y, args.steps)
+    with StepProfile(args.by_shape) as prof:
+        run_steps(grad_fn, opt, x, y, 1, prof)  # a first profiled step: the wrappers' own first calls
+        steps = run_steps(grad_fn, opt, x, y, args.steps, prof)
 
-    median = lambda v: float(np.median(v)) * 1e3  # noqa: E731
-    step = median(totals)
-    labels = sorted({k[0] for k in per_step}, key=lambda l: -sum(median(per_step[(l, d)]) for d in ("fwd", "bwd", "")
-                                                               if (l, d) in per_step))
-    print(f"{args.model}, batch {args.batch}, {args.threads} thread(s): median step {step:.1f} ms "
-          f"over {args.steps} steps")
-    print(f"{'op':34s} {'fwd ms':>8s} {'bwd ms':>8s} {'share':>6s}")
-    for label in labels:
-        f = median(per_step[(label, "fwd")]) if (label, "fwd") in per_step else 0.0
-        b = median(per_step[(label, "bwd")]) if (label, "bwd") in per_step else 0.0
-        if label == "other":
-            f = median(per_step[("other", "")])
-        print(f"{label:34s} {f:8.1f} {b:8.1f} {100 * (f + b) / step:5.1f}%")
+    ms = lambda values: float(np.median(values)) * 1e3  # noqa: E731
+    step = ms([s[0] for s in steps])
+    rows = []
+    for op, kernel in set().union(*(s[3] for s in steps)):
+        per_step = [s[3].get((op, kernel), (0.0, 0.0, 0)) for s in steps]
+        rows.append((f"{op} [{kernel}]", ms([p[0] for p in per_step]), ms([p[1] for p in per_step]), per_step[-1][2]))
+    rows.append(("other: autograd, loss, Python between ops", ms([s[1] for s in steps]), 0.0, None))
+    rows.append(("other: optimizer outside ops", ms([s[2] for s in steps]), 0.0, None))
+    rows.sort(key=lambda r: -(r[1] + r[2]))
+
+    arch = "mlp" if args.model == "mlp" else args.model.split("_")[0]
+    layers = flops.ARCHITECTURES.get(arch)
+    counted = f"{steps[-1][4] / 1e9:.3f} GFLOP forward in Conv2D and MatMul calls"
+    if layers is not None:
+        counted += f" (flops.py from the layers: {flops.step_flops(layers(), batch)[0] / 1e9:.3f})"
+    print(f"{args.model}, batch {batch}, {args.threads} thread(s), kernels "
+          f"{'off (MINIDL_KERNELS=reference)' if kernels.is_reference_only() else 'on'}: median step "
+          f"{step:.1f} ms profiled, {ms([s[0] for s in plain]):.1f} ms unprofiled, over {args.steps} steps; {counted}")
+    print(f"{'op [kernel]':48s} {'calls':>5s} {'fwd ms':>8s} {'bwd ms':>8s} {'share':>6s}")
+    for label, f, b, calls in rows:
+        print(f"{label:48s} {'' if calls is None else calls:>5} {f:8.1f} {b:8.1f} {100 * (f + b) / step:5.1f}%")
+    by_op = collections.defaultdict(float)
+    for label, f, b, _ in rows:
+        by_op[label.split()[0].rstrip(":")] += f + b  # the op class, whatever shape or kernel
+    print("per op class: " + ", ".join(f"{op} {100 * t / step:.0f}%" for op, t in
+                                       sorted(by_op.items(), key=lambda kv: -kv[1])))
 
 
 if __name__ == "__main__":

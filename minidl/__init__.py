@@ -11,7 +11,7 @@ from .tensor import (Tensor, Parameter, no_grad, is_grad_enabled,
 from .autograd import value_and_grad, grad
 from . import runtime
 from . import ops
-from .kernels import cpu as _cpu_kernels  # noqa: F401  (registers the CPU kernels)
+from .kernels import cpu as _cpu_kernels, cuda as _cuda_kernels  # noqa: F401  (registers the kernels)
 from . import common
 from . import nn
 from . import dataset
@@ -19,6 +19,8 @@ from .io import save_checkpoint, load_checkpoint, load_param_into_net, load_chec
 from . import train
 from .train import Model
 
+# Process-wide: freed step buffers stay in the heap (a training step 1.07-1.35x faster on the CPU,
+# measured in minidl/_allocator.py); MINIDL_MALLOC_TUNING=0 leaves glibc's defaults alone.
 _allocator.tune()
 
 __version__ = "0.1.0"

@@ -9,13 +9,21 @@ four steps: the ResNet-20 convolutions measured 1.5x faster on 2 cores
 threads are enough.
 
 A single-threaded BLAS for one thread only needs OpenBLAS's thread-local setting
-(``openblas_set_num_threads_local``, OpenBLAS >= 0.3.27, which NumPy's wheels ship); where
-it is missing (another BLAS, an older OpenBLAS) ops run their chunks serially as before.
+(``openblas_set_num_threads_local``, OpenBLAS >= 0.3.27, which NumPy's wheels ship). NumPy's
+build configuration (``numpy.show_config``) says which BLAS it uses; the OpenBLAS library is
+the one the wheel vendors in ``numpy.libs``, or one threadpoolctl (optional) sees loaded.
+Where there is none with that setting (another BLAS, an older OpenBLAS, a build whose
+library neither finds), ops run their chunks serially on one thread: :func:`blas_status`
+says which case holds and why.
 
-The thread count follows the BLAS's (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS, else the
-cores), so a framework comparison at N threads means N here too; ``MINIDL_NUM_THREADS``
-overrides it and 1 turns this off. Work is split statically (chunk i to thread i % T), so
-a result never depends on which thread was faster.
+The thread count follows the BLAS's (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS, else its
+default), at most the cores this process may run on (``os.sched_getaffinity``), so a
+framework comparison at N threads means N here too; ``MINIDL_NUM_THREADS`` overrides it and
+1 turns this off. Work is split statically (chunk i to thread i % T), so a result never
+depends on which thread was faster.
+
+Sizes that depend on the caches come from this machine's sysfs (:func:`cache_sizes`,
+:func:`l2_bytes`, :func:`min_parallel_bytes`), not from constants measured elsewhere.
 """
 import ctypes
 import glob
@@ -25,11 +33,16 @@ import threading
 
 import numpy
 
+from .kernels import declare_option, get_option
+
 _SET_LOCAL = "openblas_set_num_threads_local"
 _GET_THREADS = ("openblas_get_num_threads", "scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_")
+_DETECT = object()  # "find NumPy's OpenBLAS" where a test passes a library (or None) instead
 
 _lock = threading.Lock()
-_state = {"blas": None, "threads": None, "pool": None}
+_state = {"blas": None, "blas_status": None, "threads": None, "pool": None}
+
+
 class _WorkerFlag(threading.local):
     active = False  # True in a pool worker; a class-level default is fast to read (no AttributeError)
 
@@ -37,50 +50,99 @@ class _WorkerFlag(threading.local):
 _worker = _WorkerFlag()
 
 
-def _openblas():
-    """NumPy's OpenBLAS as a ctypes library with the thread-local setter, or False."""
-    if _state["blas"] is None:
-        _state["blas"] = False
-        candidates = []
+# ---- which BLAS: NumPy's build configuration, then the library itself ----
+
+def numpy_blas_name(config=None):
+    """The BLAS NumPy was built with, lower case ('scipy-openblas', 'accelerate', 'mkl', ...),
+    from ``numpy.show_config(mode="dicts")`` or the given ``config`` dict; '' when it does not say."""
+    if config is None:
+        config = numpy.show_config(mode="dicts")
+    return str(config.get("Build Dependencies", {}).get("blas", {}).get("name", "")).lower()
+
+
+def openblas_paths():
+    """Files that may hold NumPy's OpenBLAS: the wheel's vendored copy (``numpy.libs``) first,
+    then every OpenBLAS that threadpoolctl (optional) sees loaded in this process."""
+    libs = os.path.join(os.path.dirname(numpy.__file__), os.pardir, "numpy.libs")
+    paths = sorted(glob.glob(os.path.join(libs, "*openblas*")))
+    try:
+        import threadpoolctl
+    except ImportError:
+        pass
+    else:
+        paths += [info["filepath"] for info in threadpoolctl.threadpool_info() if info.get("internal_api") == "openblas"]
+    return list(dict.fromkeys(os.path.realpath(p) for p in paths))
+
+
+def find_openblas(blas_name, paths):
+    """(library, why): the first of ``paths`` that loads and has OpenBLAS's thread-local thread
+    count, as a ctypes library, else None; ``why`` says what was found, in words.
+
+    ``blas_name`` is NumPy's BLAS (:func:`numpy_blas_name`); one that is not OpenBLAS means
+    there is nothing to look for (its own threads would fight with ours: ops stay serial).
+    """
+    if blas_name and "openblas" not in blas_name:
+        return None, f"NumPy's BLAS is {blas_name!r}, not OpenBLAS: CPU ops run their chunks on one thread"
+    for path in paths:
         try:
-            with open("/proc/self/maps") as maps:
-                candidates = sorted({line.split()[-1] for line in maps if "openblas" in line.lower()})
+            lib = ctypes.CDLL(path)
         except OSError:
-            pass
-        libs_dir = os.path.join(os.path.dirname(numpy.__file__), os.pardir, "numpy.libs")
-        candidates += glob.glob(os.path.join(libs_dir, "*openblas*"))
-        for path in candidates:
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError:
-                continue
-            if hasattr(lib, _SET_LOCAL):
-                lib.openblas_set_num_threads_local.restype = ctypes.c_int
-                _state["blas"] = lib
-                break
+            continue
+        if hasattr(lib, _SET_LOCAL):
+            getattr(lib, _SET_LOCAL).restype = ctypes.c_int
+            return lib, f"OpenBLAS with a thread-local thread count: {path}"
+    if not paths:
+        return None, ("NumPy's OpenBLAS was not found (no numpy.libs copy; threadpoolctl, optional, absent or "
+                      "seeing none): CPU ops run their chunks on one thread")
+    return None, (f"no {_SET_LOCAL} (OpenBLAS >= 0.3.27) in {', '.join(paths)}: "
+                  "CPU ops run their chunks on one thread")
+
+
+def _openblas():
+    """NumPy's OpenBLAS as a ctypes library with the thread-local setter, or False (found once)."""
+    if _state["blas"] is None:
+        lib, _state["blas_status"] = find_openblas(numpy_blas_name(), openblas_paths())
+        _state["blas"] = lib or False
     return _state["blas"]
 
 
-def _default_threads():
-    env = os.environ.get("MINIDL_NUM_THREADS")
+def blas_status():
+    """In words: the BLAS the intra-op threads control, or why ops run their chunks on one thread."""
+    _openblas()
+    return _state["blas_status"]
+
+
+# ---- how many threads ----
+
+def cores():
+    """The CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _default_threads(environ=None, lib=_DETECT):
+    """MINIDL_NUM_THREADS when set, else the BLAS's thread count capped at :func:`cores`; 1 where
+    ``lib`` (NumPy's OpenBLAS unless given) has no thread-local setting."""
+    environ = os.environ if environ is None else environ
+    env = environ.get("MINIDL_NUM_THREADS")
+    n = None
     if env:
         try:
             n = int(env)
         except ValueError:
-            raise ValueError(f"MINIDL_NUM_THREADS must be a positive int, got {env!r}") from None
+            n = 0
         if n < 1:
             raise ValueError(f"MINIDL_NUM_THREADS must be a positive int, got {env!r}")
-    else:
-        n = None
-    lib = _openblas()
+    lib = _openblas() if lib is _DETECT else lib
     if not lib:
         return 1  # no per-thread BLAS control: the threads would fight over the BLAS's own
     if n is not None:
         return n
     for name in _GET_THREADS:
         if hasattr(lib, name):
-            return max(1, int(getattr(lib, name)()))
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            return max(1, min(int(getattr(lib, name)()), cores()))
+    return cores()
 
 
 def get_num_threads():
@@ -94,7 +156,8 @@ def set_num_threads(n):
     """Sets the threads a CPU op may use for its chunks (like ``torch.set_num_threads``).
 
     n > 1 needs NumPy's OpenBLAS with a thread-local thread count; without it ops stay
-    serial. The BLAS's own thread count (for GEMMs outside these ops) is not changed.
+    serial (:func:`blas_status` says why). The BLAS's own thread count (for GEMMs outside
+    these ops) is not changed.
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"set_num_threads: n must be a positive int, got {n!r}")
@@ -104,6 +167,8 @@ def set_num_threads(n):
     if pool is not None:
         pool.close()
 
+
+# ---- the pool ----
 
 class _Pool:
     """Worker threads that run (fn, i) tasks with a single-threaded BLAS."""
@@ -186,17 +251,83 @@ def split(n_items, max_per_chunk, threads):
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-# Below this many bytes an elementwise pass is not worth a thread handoff (~40 us): BatchNorm
-# on 4 MB measured 1.5x faster on 2 threads, on 2 MB no faster (benchmarks/bench_train.py).
-MIN_PARALLEL_BYTES = 3 << 20
+# ---- sizes from this machine's caches ----
+
+SYSFS_CPUS = "/sys/devices/system/cpu"
+# Where sysfs says nothing (not Linux, a container that hides it): the L2 of the 2-core Xeon
+# (Sapphire Rapids class) the thresholds below were measured on, so they keep those values.
+FALLBACK_L2_BYTES = 2 << 20
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _first_cpu():
+    return min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+
+
+def cache_sizes(root=SYSFS_CPUS, cpu=None):
+    """{level: bytes} of the data and unified caches of one CPU (the first this process may run
+    on), read from ``root``/cpuN/cache/index*/{level,type,size}; {} where there is no such tree.
+
+    ``root`` is a parameter so a test can hand it a fake tree.
+    """
+    cpu = _first_cpu() if cpu is None else cpu
+    sizes = {}
+    for index in sorted(glob.glob(os.path.join(root, f"cpu{cpu}", "cache", "index*"))):
+        try:
+            fields = {}
+            for name in ("level", "type", "size"):
+                with open(os.path.join(index, name)) as f:
+                    fields[name] = f.read().strip()
+            if fields["type"] == "Instruction":
+                continue
+            size = fields["size"].upper().removesuffix("B")
+            number, unit = (size[:-1], size[-1]) if size[-1:] in _UNITS else (size, "")
+            sizes[int(fields["level"])] = int(number) * _UNITS[unit]
+        except (OSError, ValueError):
+            continue  # an unreadable or odd entry: skip it, the caller has a fallback
+    return sizes
+
+
+def l2_bytes(root=SYSFS_CPUS, cpu=None):
+    """The L2 cache of the first CPU this process may run on (or ``cpu``), in bytes, from
+    sysfs, else ``FALLBACK_L2_BYTES``: the cache one thread's working block should fit.
+    The machine's own answer is read once and kept."""
+    own = root == SYSFS_CPUS and cpu is None
+    if own and "l2" in _state:
+        return _state["l2"]
+    size = cache_sizes(root, cpu).get(2) or FALLBACK_L2_BYTES
+    if own:
+        _state["l2"] = size
+    return size
+
+
+def _min_parallel_bytes(l2):
+    # An elementwise pass over an array that fits one core's L2 runs from that cache on the
+    # thread that wrote it; split over threads, the other cores fetch their part from L3 first.
+    # BatchNorm on 4 MB measured 1.5x faster on 2 threads, on 2 MB no faster (2 MB L2 Xeon,
+    # benchmarks/bench_train.py): so split from 1.5x the L2 on.
+    return 3 * l2 // 2
+
+
+# The value as a constant, for code written before the option; call min_parallel_bytes().
+MIN_PARALLEL_BYTES = _min_parallel_bytes(l2_bytes())
+declare_option("parallel_min_bytes", MIN_PARALLEL_BYTES,
+               "map_rows splits a NumPy array over the intra-op threads from this many bytes on "
+               "(default: 1.5x this machine's L2, from sysfs)")
+
+
+def min_parallel_bytes():
+    """Bytes from which an elementwise pass is split over the intra-op threads: the
+    ``parallel_min_bytes`` kernels option, by default 1.5x :func:`l2_bytes`."""
+    return get_option("parallel_min_bytes")
 
 
 def map_rows(xp, a, fn):
     """[fn(start, stop) for blocks of a's first axis], one block per thread when a is a NumPy
-    array of at least MIN_PARALLEL_BYTES, else one block: for passes whose per-block
+    array of at least :func:`min_parallel_bytes`, else one block: for passes whose per-block
     results (partial sums) the caller combines in block order."""
     threads = 1
-    if xp is numpy and a.nbytes >= MIN_PARALLEL_BYTES:
+    if xp is numpy and a.nbytes >= min_parallel_bytes():
         threads = min(get_num_threads(), a.shape[0])
     if threads <= 1:
         return [fn(0, a.shape[0])]

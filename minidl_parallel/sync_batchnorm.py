@@ -24,6 +24,8 @@ Example:
 """
 import numpy
 
+from minidl import kernels
+from minidl.kernels.cpu.norm import BatchNormBlocked, batchnorm_cases
 from minidl.nn import BatchNorm2d
 from minidl.ops import BatchNorm
 
@@ -55,6 +57,19 @@ class SyncBatchNormOp(BatchNorm):
         synchronisation (the nccl backend sends host arrays over MPI)."""
         comm = resolve_communicator("SyncBatchNorm", self.group)
         return int(comm.allreduce(numpy.array([count], dtype=numpy.int64), "sum")[0])
+
+
+@kernels.register
+class SyncBatchNormBlocked(BatchNormBlocked):
+    """BatchNorm's blocked CPU kernel for SyncBatchNormOp (the table looks up exact classes): the
+    same passes, its statistics through the op's sum_over_batch seam, i.e. the all-reduces."""
+
+    op = SyncBatchNormOp
+
+    def cases(self):
+        # Outside a parallel world the group is the world of one: the sums stay this process's.
+        return batchnorm_cases(SyncBatchNormOp, with_residual=False, modes=(True,),
+                               factory=lambda training: SyncBatchNormOp(1e-5, 0.1))
 
 
 class SyncBatchNorm(BatchNorm2d):

@@ -19,7 +19,8 @@ kernels.
 - ``MINIDL_KERNELS=reference`` (read at import) or :func:`set_reference_only` / the
   :func:`reference_only` context run every operator on its reference body.
 - Each kernel states how it may differ from its reference: ``bound = None`` means bit for bit;
-  ``(rtol, atol)`` a stated tolerance (a different summation order). The differential tests
+  ``(rtol, atol)`` a stated tolerance (a different summation order), or a dict of them per dtype
+  name (``{"float32": ..., "float64": ...}``; a dtype missing from it means bit for bit). The differential tests
   (``minidl.testing.check_op`` on every op draw, and each kernel's own ``cases()``) hold every
   kernel to it.
 - Tuning knobs are explicit settings (:func:`set_option` / :func:`get_option`), never module
@@ -38,7 +39,8 @@ __all__ = ["Kernel", "register", "choose", "registered", "set_reference_only", "
 class Kernel:
     """A fast path for one primitive class (``op``) on one array module (``backend``).
 
-    ``bound``: None when the kernel gives exactly the reference's values, else ``(rtol, atol)``.
+    ``bound``: None when the kernel gives exactly the reference's values, else ``(rtol, atol)``, or
+    a dict of those per dtype name (see :meth:`bound_for`).
     ``cases()``: (make_primitive, input arrays) pairs the differential test runs through both the
     kernel and the reference body; shapes where ``applies`` is true (the op harness's small
     draws often fall back to the reference).
@@ -51,6 +53,12 @@ class Kernel:
     @property
     def name(self):
         return type(self).__name__
+
+    def bound_for(self, dtype):
+        """(rtol, atol) this kernel may differ from its reference by in ``dtype``; None: bit for bit."""
+        if isinstance(self.bound, dict):
+            return self.bound.get(str(dtype))
+        return self.bound
 
     def applies(self, node, *args):
         return True

@@ -1,60 +1,28 @@
-"""Conv2D: 2-D cross-correlation over NCHW inputs, by im2col and GEMM.
+"""Conv2D and Conv2DTranspose: 2-D cross-correlation over NCHW inputs, by im2col and one GEMM.
 
-Layout. Columns are built channel-major, ``col[(c, i, j), (n, oh, q)]``, so a chunk of
-images takes one ``(O, K) @ (K, n*OH*Q)`` GEMM, a large matrix for BLAS (batched per-image
-GEMMs measured up to 2.5x slower on the 8x8 ResNet-20 stage). The (O, n, ...) result then
-needs one transposing copy to NCHW, the size of the output only, which doubles as the crop
-of garbage columns described next.
+The bodies here are the reference: readable, xp-generic (NumPy and CuPy), whole-batch.
 
-Flat rows (stride 1, every 3x3 ResNet conv). A padded image is viewed as one long row per
-channel, and the window at kernel offset (i, j) is the contiguous run that starts at
-``i*dh*Wp + j*dw``, so ``q`` runs over the whole padded width Wp instead of OW. The last
-``(kw-1)*dw`` columns of each output row are garbage (runs that cross a row end) and are
-dropped, but im2col copies runs of OH*Wp elements instead of OW-element pieces. The rows
-need not carry both paddings: with a row pitch of W + max(pl, pr) (the padding buffer's
-width), the zeros after one row serve as the left padding of the next, and reads past the
-end of a row land in them; the last row reads into one spare zero row. That cuts the
-garbage to max(pl, pr) columns per row (1 of 9 on the 8x8 ResNet stage instead of 2 of 10).
+    Conv2D forward     cols = im2col(x)                  (C*kh*kw, N*OH*OW)
+                       y    = W @ cols                   W: (O, C*kh*kw), per group
+    Conv2D backward    gW   = gY @ cols^T                gY: (O, N*OH*OW), dy as rows
+                       gx   = col2im(W^T @ gY)           the adjoint of im2col: a scatter-add
 
-Strides. An ungrouped, undilated strided conv whose kernel splits into stride phases
-without zero taps (1x1 strided, 2x2 stride 2) is rewritten as a stride-1 one over the
-stride phases of x (space-to-depth, ``_Phases``). Other strided convs use the plain 6-D
-``as_strided`` window view.
+Conv2DTranspose is the adjoint of Conv2D's forward in x: ``y = col2im(W^T @ dout)``; its
+backward is a Conv2D forward of gy (``gdout = W @ im2col(gy)``) and, from the same columns,
+``gW = dout @ im2col(gy)^T``.
 
-Chunks. On the CPU the batch goes through in chunks of images whose columns, those of all
-threads' chunks together, fit in the last-level cache (``_CACHE_BYTES``); padding, im2col and
-GEMM of a chunk then stay in cache,
-which halved the time of the 16- and 32-channel convs against one whole-batch im2col. The
-chunks run on ``minidl.get_num_threads()`` threads, each with its own buffers and a
-single-threaded BLAS (minidl/_intra_op.py), so the copies use every core too. No column
-matrix is saved: backward keeps x and rebuilds what it needs. On a GPU the chunks run on
-one thread and are bounded for memory, not cache: a chunk's column matrix stays under
-``im2col.gpu_im2col_bytes()`` (256 MiB, or $MINIDL_GPU_IM2COL_BYTES), where a whole-batch one
-could exhaust the device's memory; and every column matrix there is a plain contiguous
-buffer (no padded row pitch), which CuPy's matmul would otherwise copy before the GEMM.
-
-Backward (stride 1). gx is gy correlated with the flipped kernel: the forward path again.
-gw comes from the same columns of gy (offset (kh-1-i, kw-1-j) of gy meets offset (i, j)
-of x), so x needs no second im2col. Strided convs left on the 6-D view use gy @ columns
-for gw and column gradients + col2im (a loop over the kh*kw offsets only) for gx. 1x1,
-stride-1, unpadded convs (strided 1x1 ones after their phase split, a subsampling) are
-pure GEMMs on the input as it lies.
-
-Conv2DTranspose (the input gradient of a Conv2D, as an op of its own) is a readable
-reference on the same building blocks: forward is w^T times dout's rows and a col2im onto
-the image (_Windows.col2im); backward is a Conv2D forward of the output gradient
-(_correlate) and, from the same columns, the weight gradient (_correlate's ``times``).
+The fast routes (flat rows for stride 1, stride phases, 1x1 GEMMs, cache-sized chunks on the
+intra-op threads; memory-bounded chunks on the GPU) are kernels: minidl/kernels/cpu/conv.py and
+minidl/kernels/cuda/conv.py, checked against these bodies (tests/minidl/kernels).
 """
 import numbers
 
-from .. import _intra_op as intra_op
 from ..backend import get_array_module
 from ..tensor import is_grad_enabled
 from .primitive import Primitive
 from .manipulation import pad
 from .linalg import BiasAdd
-from .im2col import _PAD_MODES, _is_int, _pair, _pad_mode, _window_axis, _Windows, _correlate, _Phases
-from . import winograd
+from .im2col import _PAD_MODES, _is_int, _pair, _pad_mode, _window_axis, col2im, im2col
 
 
 class Conv2D(Primitive):
@@ -103,120 +71,39 @@ class Conv2D(Primitive):
         if x.dtype != w.dtype:
             raise TypeError(f"{op}: x has dtype {x.dtype} but w has dtype {w.dtype}; cast one of them")
 
+    def geometry(self, x_shape):
+        """((OH, OW), (top, bottom, left, right) padding) of this conv on an input of x_shape."""
+        (h, wd), (kh, kw), (sh, sw), (dh, dw) = x_shape[2:], self.kernel_size, self.stride, self.dilation
+        pt, pb, pl, pr = self.pad
+        where = f"x of shape {tuple(x_shape)}"
+        oh, pt, pb = _window_axis(self.name, h, kh, sh, dh, self.pad_mode, pt, pb, where)
+        ow, pl, pr = _window_axis(self.name, wd, kw, sw, dw, self.pad_mode, pl, pr, where)
+        return (oh, ow), (pt, pb, pl, pr)
+
     def forward(self, x, w):
         self._check(x, w)
         xp = get_array_module(x, w)
-        n, c, h, wd = x.shape
-        o, g, (kh, kw), (sh, sw), (dh, dw) = self.out_channel, self.group, self.kernel_size, self.stride, self.dilation
-        pt, pb, pl, pr = self.pad
-        where = f"x of shape {tuple(x.shape)}"
-        oh, pt, pb = _window_axis(self.name, h, kh, sh, dh, self.pad_mode, pt, pb, where)
-        ow, pl, pr = _window_axis(self.name, wd, kw, sw, dw, self.pad_mode, pl, pr, where)
-        keep = is_grad_enabled()
-        self.phases = self.wino = None
-        if winograd.applies(xp, x.dtype, (kh, kw), (sh, sw), (dh, dw), g, (pt, pb, pl, pr), (c, o)):
-            self.wino = winograd.Winograd3x3(x.shape, (pt, pb, pl, pr), (oh, ow))
-            return self.wino.forward(xp, x, w, keep)
-        if (sh, sw) != (1, 1) and g == 1 and (dh, dw) == (1, 1) and _Phases.exact(self.kernel_size, self.stride):
-            # Strided: the same convolution at stride 1 over the stride phases of x (see _Phases).
-            self.phases = _Phases(x.shape, self.kernel_size, self.stride, (pt, pl), (oh, ow))
-            x, w = self.phases.split_x(xp, x), self.phases.split_w(xp, w)
-            n, c, h, wd = x.shape
-            (kh, kw), (sh, sw), (pt, pb, pl, pr) = w.shape[2:], (1, 1), (0, 0, 0, 0)
-        self.w = w if keep else None
-        if kh == kw == sh == sw == 1 and not any((pt, pb, pl, pr)):
-            # 1x1 stride 1: already a (C, H*W) matrix per image; batched GEMM, no copies.
-            self.win, self.x = None, (x if keep else None)
-            return xp.matmul(w.reshape(g, o // g, c // g), x.reshape(n, g, c // g, h * wd)).reshape(n, o, h, wd)
-        self.win = _Windows(x.shape, (kh, kw), (sh, sw), (dh, dw), (pt, pb, pl, pr), (oh, ow))
-        self.x = x if keep else None  # backward rebuilds the columns from x, chunk by chunk
-        return _correlate(xp, x, w, self.win, g)
+        out_hw, self.pads = self.geometry(x.shape)
+        g, o, n = self.group, self.out_channel, x.shape[0]
+        cols = im2col(xp, x, self.kernel_size, self.stride, self.dilation, self.pads, out_hw)
+        self.x, self.w = (x, w) if is_grad_enabled() else (None, None)  # backward rebuilds cols from x
+        y = xp.matmul(w.reshape(g, o // g, -1), cols.reshape(g, -1, cols.shape[1]))  # (G, O/G, N*OH*OW)
+        return xp.ascontiguousarray(y.reshape((o, n) + out_hw).transpose(1, 0, 2, 3))
 
     def backward(self, gy):
         xp = get_array_module(gy)
-        if self.wino is not None:
-            return self.wino.backward(xp, gy, *self.needs_grad)
-        gx, gw = self._backward(xp, gy)
-        if self.phases is not None:
-            gx = None if gx is None else self.phases.merge_x(xp, gx)
-            gw = None if gw is None else self.phases.merge_w(xp, gw)
-        return gx, gw
-
-    def _backward(self, xp, gy):
+        x, w, g = self.x, self.w, self.group
         need_x, need_w = self.needs_grad
-        w, win, g = self.w, self.win, self.group
-        o, cg = w.shape[:2]
-        if win is None:  # 1x1 stride 1
-            n, c, h, wd = self.x.shape
-            gy3 = gy.reshape(n, g, o // g, h * wd)
-            gw = gx = None
-            if need_w:
-                x3 = self.x.reshape(n, g, cg, h * wd)
-                gw = xp.matmul(gy3, x3.swapaxes(-1, -2)).sum(axis=0).reshape(w.shape)
-            if need_x:
-                gx = xp.matmul(w.reshape(g, o // g, cg).swapaxes(-1, -2), gy3).reshape(n, c, h, wd)
-            return gx, gw
-        if need_x and win.flat:
-            return self._grads_by_correlation(xp, gy, need_w)
-        n, c, oh, ow, q = win.n, win.c, win.oh, win.ow, win.q
-        k = win.k
-        chunks, threads = win.chunking(xp, gy.dtype)
-        nb = max(n1 - n0 for n0, n1 in chunks)
-        w3 = w.reshape(g, o // g, -1)
-        gx = xp.empty((n, c, win.h, win.w), dtype=gy.dtype) if need_x else None
-
-        def run(t):  # the chunks of thread t (see _correlate); returns its part of gw, transposed
-            xpad, cols = win.buffers(xp, gy.dtype, nb)
-            # Zeros in the garbage columns of flat rows keep gw exact. Q is the innermost axis, so
-            # those columns sit at the same buffer positions in every chunk: zeroing once suffices.
-            gys = (xp.zeros if q != ow else xp.empty)(o * nb * oh * q, dtype=gy.dtype)
-            gw_t = xp.zeros((g, k // g, o // g), dtype=gy.dtype) if need_w else None
-            for n0, n1 in chunks[t::threads]:
-                m = (n1 - n0) * oh * q
-                gyt = gys[:o * m].reshape(o, n1 - n0, oh, q)
-                gyt[..., :ow] = gy[n0:n1].transpose(1, 0, 2, 3)
-                gyt = gyt.reshape(g, o // g, m)
-                if need_w:
-                    col = win.columns(xp, self.x, n0, n1, xpad, cols).reshape(g, -1, m)
-                    # (K, m) @ (m, O): BLAS measured this orientation ~1.7x faster than (O, m) @ (m, K).
-                    gw_t += xp.matmul(col, gyt.swapaxes(-1, -2))
-                if need_x:
-                    gcol = xp.matmul(w3.swapaxes(-1, -2), gyt)  # (G, K/G, m), one chunk: cache-sized
-                    gx[n0:n1] = win.col2im(xp, gcol.reshape((c,) + self.kernel_size + (n1 - n0, oh, q)))
-            return gw_t
-
-        parts = intra_op.parallel_map(run, threads)
-        gw = None
+        geometry = (self.kernel_size, self.stride, self.dilation, self.pads, gy.shape[2:])
+        rows = gy.transpose(1, 0, 2, 3).reshape(g, w.shape[0] // g, -1)  # (G, O/G, N*OH*OW)
+        gx = gw = None
         if need_w:
-            for part in parts[1:]:
-                parts[0] += part
-            gw = parts[0].swapaxes(-1, -2).reshape(w.shape)
+            cols = im2col(xp, x, *geometry)
+            gw = xp.matmul(rows, cols.reshape(g, -1, cols.shape[1]).swapaxes(1, 2)).reshape(w.shape)
+        if need_x:
+            gcols = xp.matmul(w.reshape(g, w.shape[0] // g, -1).swapaxes(1, 2), rows)  # (G, C/G*kh*kw, M)
+            gx = xp.ascontiguousarray(col2im(xp, gcols.reshape(-1, rows.shape[2]), x.shape, *geometry))
         return gx, gw
-
-    def _grads_by_correlation(self, xp, gy, need_w):
-        """Stride 1: gx, and gw if needed, from one pass over the columns of gy.
-
-        gx is gy correlated with w flipped in space and transposed per group, gy padded so
-        each input pixel sees every window that covered it: the forward path again. It
-        measured about 2x faster than a K x O by O x (N*OH*Q) GEMM into column gradients
-        followed by col2im. And since gy's columns at kernel offset (kh-1-i, kw-1-j) line up
-        with x at offset (i, j), ``gw[o, c, i, j] = sum_m colgy[(o, kh-1-i, kw-1-j), m] *
-        x[c, m]``: one more GEMM on columns already in cache, instead of an im2col of x.
-        """
-        win, g, w = self.win, self.group, self.w
-        o, cg, kh, kw = w.shape
-        dh, dw = self.dilation
-        pt, pb, pl, pr = win.pads
-        eh, ew = (kh - 1) * dh, (kw - 1) * dw
-        w_t = w.reshape(g, o // g, cg, kh, kw)[..., ::-1, ::-1].swapaxes(1, 2).reshape(g * cg, o // g, kh, kw)
-        pads = (eh - pt, eh - pb, ew - pl, ew - pr)
-        back = _Windows(gy.shape, (kh, kw), (1, 1), (dh, dw), pads, (win.h, win.w))
-        out = _correlate(xp, gy, xp.ascontiguousarray(w_t), back, g, times=self.x if need_w else None)
-        if not need_w:
-            return out, None
-        gx, acc = out  # acc: (G, O/G * kh * kw, C/G), rows (o, kh-1-i, kw-1-j)
-        gw = acc.reshape(g, o // g, kh, kw, cg)[:, :, ::-1, ::-1].transpose(0, 1, 4, 2, 3)
-        return gx, xp.ascontiguousarray(gw).reshape(w.shape)
 
 
 def _set_conv_attrs(prim, op, out_channel, kernel_size, mode, pad_mode, pad, stride, dilation, group, data_format):
@@ -323,54 +210,53 @@ class Conv2DTranspose(Primitive):
             raise TypeError(f"{op}: dout has dtype {dout.dtype} but w has dtype {w.dtype}; cast one of them")
         return size
 
-    def forward(self, dout, w, input_size):
-        size = self._check(dout, w, input_size)
-        xp = get_array_module(dout, w)
-        n, c, h, wd = size
-        o, g, (kh, kw), (sh, sw), (dh, dw) = self.out_channel, self.group, self.kernel_size, self.stride, self.dilation
+    def geometry(self, size, dout_shape):
+        """The Conv2D's ((OH, OW), padding) for an input of ``size``, after checking that it maps
+        size to dout's (H, W). The bottom/right padding is the one the windows really reach:
+        less than the Conv2D's by the rows its stride left unread, negative where the windows
+        stop short of the image's end (those rows of the output get nothing: zeros)."""
+        (h, wd), (kh, kw), (sh, sw), (dh, dw) = size[2:], self.kernel_size, self.stride, self.dilation
         pt, pb, pl, pr = self.pad
         where = f"input_size {size}"
         oh, pt, pb = _window_axis(self.name, h, kh, sh, dh, self.pad_mode, pt, pb, where)
         ow, pl, pr = _window_axis(self.name, wd, kw, sw, dw, self.pad_mode, pl, pr, where)
-        if (oh, ow) != tuple(dout.shape[2:]):
-            raise ValueError(f"{self.name}: dout of shape {tuple(dout.shape)} does not fit input_size={size}: the "
+        if (oh, ow) != tuple(dout_shape[2:]):
+            raise ValueError(f"{self.name}: dout of shape {tuple(dout_shape)} does not fit input_size={size}: the "
                              f"Conv2D (kernel_size={self.kernel_size}, stride={self.stride}, dilation={self.dilation}, "
                              f"pad_mode={self.pad_mode!r}, pad={self.pad}) maps {(h, wd)} to {(oh, ow)}, "
-                             f"not {tuple(dout.shape[2:])}")
-        # The bottom/right padding the windows really reach: less than the Conv2D's by the rows
-        # its stride left unread, negative where the windows stop short of the image's end
-        # (those rows of the output get nothing: zeros).
+                             f"not {tuple(dout_shape[2:])}")
         pb = (oh - 1) * sh + (kh - 1) * dh + 1 - pt - h
         pr = (ow - 1) * sw + (kw - 1) * dw + 1 - pl - wd
-        win = _Windows(size, (kh, kw), (sh, sw), (dh, dw), (pt, pb, pl, pr), (oh, ow))
-        keep = is_grad_enabled()
-        self.win = win
-        self.dout, self.w = (dout, w) if keep else (None, None)
-        # Conv2D's forward multiplies w (O, K) by x's columns (K, m); its adjoint multiplies
-        # w^T (K, O) by dout's rows (O, m), giving the output's columns, which col2im sums back
-        # onto the image. Chunks of images keep the columns as large as Conv2D's own.
-        y = xp.empty(size, dtype=dout.dtype)
-        w3t = w.reshape(g, o // g, -1).swapaxes(1, 2)  # (G, C/G*kh*kw, O/G)
-        chunks, _ = win.chunking(xp, dout.dtype)
-        for n0, n1 in chunks:
-            rows = dout[n0:n1].transpose(1, 0, 2, 3).reshape(g, o // g, -1)  # (G, O/G, n*H*W)
-            cols = xp.matmul(w3t, rows)
-            y[n0:n1] = win.col2im(xp, cols.reshape((c, kh, kw, n1 - n0, oh, ow)))
-        return y
+        return (oh, ow), (pt, pb, pl, pr)
+
+    def forward(self, dout, w, input_size):
+        size = self._check(dout, w, input_size)
+        xp = get_array_module(dout, w)
+        out_hw, self.pads = self.geometry(size, dout.shape)
+        g, o = self.group, self.out_channel
+        self.dout, self.w = (dout, w) if is_grad_enabled() else (None, None)
+        rows = dout.transpose(1, 0, 2, 3).reshape(g, o // g, -1)  # (G, O/G, N*H*W)
+        cols = xp.matmul(w.reshape(g, o // g, -1).swapaxes(1, 2), rows)  # W^T @ dout: (G, C/G*kh*kw, N*H*W)
+        y = col2im(xp, cols.reshape(-1, rows.shape[2]), size, self.kernel_size, self.stride, self.dilation,
+                   self.pads, out_hw)
+        return xp.ascontiguousarray(y)
 
     def backward(self, gy):
-        # dout's gradient is the Conv2D's forward of gy; w's is the correlation of gy's windows
-        # with dout: Conv2D's weight gradient with gy as its input and dout as its output
-        # gradient, taken from the same columns of gy (_correlate's ``times``).
         xp = get_array_module(gy)
+        dout, w, g = self.dout, self.w, self.group
         need_dout, need_w = self.needs_grad[:2]
-        if not need_w:
-            return _correlate(xp, gy, self.w, self.win, self.group), None, None
-        # (When only w needs a gradient the forward GEMM is wasted; a first decoder layer fed
-        # by a constant pays one extra conv.)
-        gdout, acc = _correlate(xp, gy, self.w, self.win, self.group, times=self.dout)
-        gw = xp.ascontiguousarray(acc.swapaxes(-1, -2)).reshape(self.w.shape)  # acc: (G, C/G*kh*kw, O/G)
-        return (gdout if need_dout else None), gw, None
+        cols = im2col(xp, gy, self.kernel_size, self.stride, self.dilation, self.pads, dout.shape[2:])
+        cols = cols.reshape(g, -1, cols.shape[1])  # (G, C/G*kh*kw, N*H*W)
+        o, n = w.shape[0], dout.shape[0]
+        gdout = gw = None
+        if need_dout:  # a Conv2D forward of gy
+            gdout = xp.matmul(w.reshape(g, o // g, -1), cols).reshape((o, n) + dout.shape[2:])
+            gdout = xp.ascontiguousarray(gdout.transpose(1, 0, 2, 3))
+        if need_w:
+            rows = dout.transpose(1, 0, 2, 3).reshape(g, o // g, -1)
+            gw = xp.matmul(rows, cols.swapaxes(1, 2)).reshape(w.shape)
+        return gdout, gw, None
+
 
 def conv2d(x, w, stride=1, pad_mode="valid", padding=0, dilation=1, groups=1):
     """Functional Conv2D; the output channels and kernel size are read from w.

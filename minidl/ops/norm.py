@@ -5,20 +5,20 @@ into the running ``mean`` / ``variance`` arrays (the ``.data`` of non-trainable 
 using the unbiased variance for the running one, as PyTorch and MindSpore do. Inference
 normalises with the running statistics.
 
-It runs in every ResNet layer, so the bodies keep temporaries to the two full-size arrays
-that must exist anyway (the saved centred input and the output) and stay in the input's
-dtype. Per-channel sums go through ``einsum`` (``_channel_sum``): on NCHW float32 it
-measured 3.5x faster than ``sum(axis=(0, 2, 3))``, and its two-operand form sums a product
-without writing the product out (2x faster than multiply, then sum).
+This is the reference body, written for reading: the maths on one screen each way, for NumPy
+and CuPy alike. The fast CPU body (blocks of the batch on the intra-op threads, per-channel
+operands laid out for NumPy's SIMD loops) is a kernel, minidl/kernels/cpu/norm.py, held to
+this one by the differential tests. Per-channel sums go through ``einsum`` (``_channel_sum``).
 
 Every per-channel sum over the batch (statistics forward, the input gradient's sums
 backward) passes through one method, ``BatchNorm.sum_over_batch``, the identity here.
 minidl_parallel's SyncBatchNormOp overrides only that method to all-reduce the sums over
-its ranks, so synchronised BatchNorm is this body, not a copy of it.
+its ranks, so synchronised BatchNorm is this body, not a copy of it. (The kernels table looks
+up a primitive's exact class: a subclass runs this reference unless a kernel is registered for
+it; the CPU kernel calls the same seams, so registering it for such a subclass is enough.)
 """
 import numpy
 
-from .. import _intra_op as intra_op
 from ..backend import get_array_module
 from ..tensor import Tensor
 from .primitive import Primitive
@@ -36,45 +36,14 @@ def _check_number(op, name, value, low, high, low_open):
 
 
 def _channel_sum(xp, axis, a, b=None):
-    """Per-channel sum of a (or of a * b, never materialised) over every axis but ``axis``: (C,).
+    """Per-channel sum of a (or of a * b) over every axis but ``axis``: a (C,) array.
 
-    A large array is summed in blocks of its batch axis on the intra-op threads, and the
-    blocks' sums are added in order.
+    NOTE: ``einsum`` rather than ``sum(axis=(0, 2, 3))``: on NCHW float32 it measured 3.5x
+    faster, and its two-operand form sums a product without writing the product out.
     """
     letters = "abcdefghijklmnopqrstuvwxyz"[:a.ndim]
-    ins = letters if b is None else f"{letters},{letters}"
-    subscripts = f"{ins}->{letters[axis]}"
-    if b is None:
-        parts = intra_op.map_rows(xp, a, lambda i, j: xp.einsum(subscripts, a[i:j]))
-    else:
-        parts = intra_op.map_rows(xp, a, lambda i, j: xp.einsum(subscripts, a[i:j], b[i:j]))
-    total = parts[0]
-    for p in parts[1:]:
-        total += p
-    return total
-
-
-def _per_channel(xp, v, x, axis=1):
-    """A per-channel array (C on ``axis``, 1 elsewhere) as one contiguous image of x, (1, C, H, W),
-    when the channels are axis 1 of an N-D NumPy x: as an operand that repeats along the batch
-    axis only, NumPy runs its SIMD loops, where per-channel values repeated with stride 0
-    along the rows measured 1.5-2x slower (multiply, subtract). Costs one image of writes."""
-    if xp is not numpy or axis != 1 or x.ndim <= 2 or x[0, 0].size <= 1:
-        return v
-    return numpy.ascontiguousarray(numpy.broadcast_to(v, (1,) + x.shape[1:]))
-
-
-def _affine(xp, a, k, c, out=None, axis=1):
-    """``a * k + c`` with per-channel k and c, into a new array (or out), in blocks of the batch
-    axis on the intra-op threads."""
-    out = xp.empty_like(a) if out is None else out
-    k, c = _per_channel(xp, k, a, axis), _per_channel(xp, c, a, axis)
-
-    def block(i, j):
-        xp.multiply(a[i:j], k, out=out[i:j])
-        out[i:j] += c
-    intra_op.map_rows(xp, a, block)
-    return out
+    subscripts = f"{letters}->{letters[axis]}" if b is None else f"{letters},{letters}->{letters[axis]}"
+    return xp.einsum(subscripts, a) if b is None else xp.einsum(subscripts, a, b)
 
 
 class BatchNorm(Primitive):
@@ -140,28 +109,44 @@ class BatchNorm(Primitive):
         axis, channels = self._check(x, scale, bias, mean, variance)
         xp = get_array_module(x)
         dtype = x.dtype
+        self.axis = axis
         self.axes = tuple(i for i in range(x.ndim) if i != axis)
         self.kept = tuple(channels if i == axis else 1 for i in range(x.ndim))  # per-channel broadcast shape
         self.scale_dtype, self.bias_dtype = scale.dtype, bias.dtype
-        scale = scale.astype(dtype, copy=False).reshape(self.kept)
+        self.scale = scale.astype(dtype, copy=False).reshape(self.kept)
         bias = bias.astype(dtype, copy=False).reshape(self.kept)
-        self.scale = scale
-        self.axis = axis
         if not self.is_training:
-            mu = mean.astype(dtype, copy=False).reshape(self.kept)
+            self.x, self.mu = x, mean.astype(dtype, copy=False).reshape(self.kept)
             self.inv_std = 1.0 / xp.sqrt(variance.astype(dtype, copy=False).reshape(self.kept) + self.epsilon)
-            self.x, self.mu = x, mu
-            k = scale * self.inv_std
+            k = self.scale * self.inv_std
             y = x * k
-            y += bias - mu * k
+            y += bias - self.mu * k
             return y
 
-        # The sums and the count travel in one vector, so that a synchronised op adds both in one
-        # all-reduce. float16 would round the count (and overflow the sums) past 2048 values per
-        # channel, so they are float32 there.
+        batch_mean = self.batch_mean(x, _channel_sum(xp, axis, x))  # sets self.count
+        # NOTE: the centred x is saved instead of xhat = xc * inv_std: backward folds inv_std into
+        # its per-channel factors, which saves a full pass here at no cost there.
+        self.xc = x - batch_mean
+        # Two-pass variance (mean of centred squares): E[x^2] - E[x]^2 cancels badly in float32.
+        batch_var = self.sum_over_batch(_channel_sum(xp, axis, self.xc, self.xc)).reshape(self.kept) / self.count
+        self.inv_std = 1.0 / xp.sqrt(batch_var + self.epsilon)
+        y = self.xc * (self.scale * self.inv_std) + bias
+        self._update_running(mean, variance, batch_mean, batch_var, self.count)
+        return y
+
+    def batch_mean(self, x, sums):
+        """The whole batch's per-channel mean (``kept``-shaped, x's dtype) from this call's
+        per-channel ``sums`` of x; sets ``self.count``, the values per channel over the batch.
+
+        The sums and the count travel in one vector, so that a synchronised op adds both in one
+        all-reduce. float16 would round the count (and overflow the sums) past 2048 values per
+        channel, so they are float32 there.
+        """
+        xp = get_array_module(x)
+        channels = sums.size
         count = x.size // max(channels, 1)
-        local = xp.empty(channels + 1, dtype=dtype if dtype.itemsize >= 4 else xp.dtype(xp.float32))
-        local[:channels] = _channel_sum(xp, axis, x)
+        local = xp.empty(channels + 1, dtype=x.dtype if x.dtype.itemsize >= 4 else xp.dtype(xp.float32))
+        local[:channels] = sums
         if xp is numpy:
             local[channels] = count
             total = self.sum_over_batch(local)
@@ -180,25 +165,12 @@ class BatchNorm(Primitive):
             raise ValueError(f"{self.name}: expected more than 1 value per channel when training, got {got} "
                              f"(the batch variance is undefined)")
         self.count = count
-        batch_mean = (total[:channels] / count).astype(dtype, copy=False).reshape(self.kept)
-        # NOTE: the centred x is saved instead of xhat = xc * inv_std: backward folds inv_std into
-        # its per-channel factors, which saves a full pass here at no cost there.
-        xc = xp.empty_like(x)
-        mean_row = _per_channel(xp, batch_mean, x, axis)
-        intra_op.map_rows(xp, x, lambda i, j: xp.subtract(x[i:j], mean_row, out=xc[i:j]))
-        # Two-pass variance (mean of centred squares): E[x^2] - E[x]^2 cancels badly in float32.
-        batch_var = self.sum_over_batch(_channel_sum(xp, axis, xc, xc)).reshape(self.kept)
-        batch_var /= count
-        self.inv_std = 1.0 / xp.sqrt(batch_var + self.epsilon)
-        self.xc = xc
-        y = _affine(xp, xc, self.scale * self.inv_std, bias, axis=axis)
-        self._update_running(mean, variance, batch_mean, batch_var, count)
-        return y
+        return (total[:channels] / count).astype(x.dtype, copy=False).reshape(self.kept)
 
     def count_over_batch(self, count):
         """The number of values per channel over the whole batch, from this call's ``count``
         (a host int); a call holds its whole batch here. The GPU path's seam for the count
-        (see forward): minidl_parallel's SyncBatchNormOp sums it over its group on the host."""
+        (see batch_mean): minidl_parallel's SyncBatchNormOp sums it over its group on the host."""
         return count
 
     def sum_over_batch(self, sums):
@@ -233,55 +205,31 @@ class BatchNorm(Primitive):
     def backward(self, gy):
         xp = get_array_module(gy)
         need_x, need_scale, need_bias = self.needs_grad[:3]
-        inv_std = self.inv_std
+        inv_std, axis = self.inv_std, self.axis
         if not self.is_training:
             gx = gy * (self.scale * inv_std) if need_x else None
-            gscale = gbias = None
-            if need_scale:
-                gscale = _channel_sum(xp, self.axis, gy, self.x - self.mu) * inv_std.reshape(-1)
-            if need_bias:
-                gbias = _channel_sum(xp, self.axis, gy)
+            gscale = _channel_sum(xp, axis, gy, self.x - self.mu) * inv_std.reshape(-1) if need_scale else None
+            gbias = _channel_sum(xp, axis, gy) if need_bias else None
             return gx, self._cast(gscale, self.scale_dtype), self._cast(gbias, self.bias_dtype), None, None
 
-        xc, axis = self.xc, self.axis
         channels = inv_std.size
         # This block's sum(gy * xhat) and sum(gy): the gradients of scale and bias on its outputs
         # (a data-parallel grad reducer or the sharding dispatcher adds the other blocks').
         local = xp.empty(2 * channels, dtype=gy.dtype)
-        local[:channels] = _channel_sum(xp, axis, gy, xc) * inv_std.reshape(channels)
+        local[:channels] = _channel_sum(xp, axis, gy, self.xc) * inv_std.reshape(channels)
         local[channels:] = _channel_sum(xp, axis, gy)
         total = self.sum_over_batch(local)  # gx needs the whole batch's
         gx = None
         if need_x:
-            gx = self._input_gradient(gy, total[:channels].reshape(self.kept), total[channels:].reshape(self.kept))
+            # gx = scale * inv_std * (gy - mean(gy) - xhat * mean(gy * xhat)), with xhat = xc * inv_std
+            # folded into the per-channel factor a.
+            inv_m = 1.0 / self.count
+            a = total[:channels].reshape(self.kept) * inv_std * inv_m
+            c = total[channels:].reshape(self.kept) * inv_m
+            gx = (gy - (self.xc * a + c)) * (self.scale * inv_std)
         gscale = self._cast(local[:channels], self.scale_dtype) if need_scale else None
         gbias = self._cast(local[channels:], self.bias_dtype) if need_bias else None
         return gx, gscale, gbias, None, None
-
-    def _input_gradient(self, gy, gscale, gbias):
-        """Training gx from the whole batch's per-channel sums ``gscale = sum(gy * xhat)``,
-        ``gbias = sum(gy)``.
-
-        gx = scale * inv_std / M * (M * gy - sum(gy) - xhat * sum(gy * xhat)), built in one
-        buffer with xhat = xc * inv_std folded into the per-channel factor.
-        """
-        xp = get_array_module(gy)
-        inv_std, inv_m = self.inv_std, 1.0 / self.count
-        k = self.scale * inv_std
-        # gx = gy * k - xc * (k * gscale * inv_std / M) - k * gbias / M, per block of the batch
-        buf = xp.empty_like(gy)
-        a = _per_channel(xp, gscale * inv_std * inv_m, gy, self.axis)
-        c = _per_channel(xp, gbias * inv_m, gy, self.axis)
-        k = _per_channel(xp, k, gy, self.axis)
-
-        def block(i, j):
-            b = buf[i:j]
-            xp.multiply(self.xc[i:j], a, out=b)
-            b += c
-            xp.subtract(gy[i:j], b, out=b)
-            b *= k
-        intra_op.map_rows(xp, gy, block)
-        return buf
 
     @staticmethod
     def _cast(g, dtype):

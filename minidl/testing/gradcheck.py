@@ -150,7 +150,7 @@ def check_kernels(fn, inputs, dtype=np.float64):
         return used
     with kernels.reference_only():
         ref = _forward_backward(fn, inputs, dtype)
-    bounds = [k.bound for k in used if k.bound is not None]
+    bounds = [b for b in (k.bound_for(np.dtype(dtype)) for k in used) if b is not None]
     rtol, atol = (max(b[0] for b in bounds), max(b[1] for b in bounds)) if bounds else (0.0, 0.0)
     names = ", ".join(sorted(k.name for k in used))
     pairs = [(fast[0], ref[0], "forward")] + [(g, r, f"gradient of input {i}")

@@ -93,20 +93,6 @@ def test_set_seed_makes_initialisation_repeat():
     assert not np.array_equal(a, c)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc allocator tuning is Linux-only")
-@pytest.mark.parametrize("setting, expected", [(None, "True"), ("0", "False")])
-def test_allocator_tuning_is_on_by_default_and_can_be_turned_off(setting, expected):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("MINIDL_MALLOC_TUNING", None)
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    env.pop("MALLOC_TRIM_THRESHOLD_", None)
-    if setting is not None:
-        env["MINIDL_MALLOC_TUNING"] = setting
-    code = "import minidl, minidl._allocator as a; print(a.applied)"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip() == expected, out.stderr
-
-
 @pytest.fixture
 def fresh_device_state(monkeypatch):
     """The device target as in a fresh process (nothing chosen, nothing asked), GPU visible

@@ -372,15 +372,18 @@ def test_train_resnet_on_the_cpu_gives_losses_and_every_parameter():
     assert minidl.get_context("device_target") == before  # the caller's device is left as it was
 
 
-def test_float64_training_does_not_depend_on_the_chunking(monkeypatch):
+def test_float64_training_does_not_depend_on_the_chunking():
     """The premise of TRAIN_TOL64: float64 training in another summation order (here the
     CPU's, chunks of 3 images instead of the whole batch) agrees far below 1e-8."""
-    from minidl.ops import im2col
+    from minidl import kernels
     images, labels = gc._resnet_data(2, 16)
-    monkeypatch.setattr(im2col, "_images_per_chunk", lambda xp, n, nbytes, threads=1: n)
-    whole = gc.train_resnet("CPU", "float64", images, labels, 2, 16)
-    monkeypatch.setattr(im2col, "_images_per_chunk", lambda xp, n, nbytes, threads=1: 3)
-    chunked = gc.train_resnet("CPU", "float64", images, labels, 2, 16)
+    try:
+        kernels.set_option("images_per_chunk", 16)  # the whole batch
+        whole = gc.train_resnet("CPU", "float64", images, labels, 2, 16)
+        kernels.set_option("images_per_chunk", 3)
+        chunked = gc.train_resnet("CPU", "float64", images, labels, 2, 16)
+    finally:
+        kernels.set_option("images_per_chunk", None)
     d = gc.training_diffs(chunked, whole)
     assert d["max_rel"] < gc.TRAIN_TOL64, d
 

@@ -1,5 +1,7 @@
-"""Intra-op threads: chunk splitting, the thread pool, and ops that give the same results
+"""Intra-op threads: chunk splitting, the thread pool, finding NumPy's OpenBLAS (and running
+serially without it), sizes from the machine's caches, and ops that give the same results
 (against their references) on 1 thread and on several."""
+import ctypes.util
 import multiprocessing
 import os
 import threading
@@ -10,7 +12,7 @@ from hypothesis import given, strategies as st
 
 import minidl
 from minidl import _intra_op as intra_op
-from minidl import ops, Tensor
+from minidl import kernels, ops, Tensor
 
 needs_local_blas = pytest.mark.skipif(not intra_op._openblas(),
                                       reason="NumPy's BLAS has no thread-local thread count")
@@ -22,6 +24,21 @@ def threads():
     before = minidl.get_num_threads()
     yield minidl.set_num_threads
     minidl.set_num_threads(before)
+
+
+@pytest.fixture
+def options():
+    """Sets kernels options for one test (``options(name=value, ...)``) and restores them afterwards."""
+    before = {}
+
+    def set_options(**values):
+        for name, value in values.items():
+            value_before, default, _ = kernels.options()[name]
+            before.setdefault(name, None if value_before == default else value_before)
+            kernels.set_option(name, value)
+    yield set_options
+    for name, value in before.items():
+        kernels.set_option(name, value)  # None: back to the default
 
 
 @given(n=st.integers(1, 200), per_chunk=st.integers(1, 50), t=st.integers(1, 8))
@@ -85,11 +102,10 @@ def conv_step(x, w, stride, pad):
 
 @needs_local_blas
 @pytest.mark.parametrize("stride, pad", [(1, 1), (2, 1), (1, 0)])
-def test_conv_on_threads_equals_one_thread(threads, monkeypatch, stride, pad):
+def test_conv_on_threads_equals_one_thread(threads, options, stride, pad):
     """Chunks of 2 images on 3 threads (uneven rounds) vs the serial loop: the same values;
     the weight gradient differs only by the order its per-thread partial sums are added."""
-    from minidl.ops import im2col
-    monkeypatch.setattr(im2col, "_images_per_chunk", lambda xp, n, nbytes, threads=1: 2)
+    options(images_per_chunk=2)
     rng = np.random.default_rng(3)
     x, w = rng.standard_normal((9, 3, 7, 6)), rng.standard_normal((4, 3, 3, 3))
     threads(1)
@@ -123,10 +139,10 @@ def test_forked_child_gets_its_own_pool(threads):
 
 @needs_local_blas
 @pytest.mark.cpu_only  # intra-op row blocks split NumPy work over host threads; a GPU has none
-def test_batchnorm_and_relu_in_row_blocks_equal_one_block(threads, monkeypatch):
-    """Every array large enough for blocks (threshold 0), on 3 threads (7 images: blocks of
-    3, 2, 2) vs one block: ReLU exactly, BatchNorm to rounding (the per-channel sums add
-    their blocks' partial sums)."""
+def test_batchnorm_and_relu_in_row_blocks_equal_one_block(threads, options, monkeypatch):
+    """Every array large enough for the kernels and their blocks (thresholds 0), on 3 threads
+    (7 images: blocks of 3, 2, 2) vs one block: ReLU exactly, BatchNorm to rounding (the
+    per-channel sums add their blocks' partial sums)."""
     rng = np.random.default_rng(5)
     x = rng.standard_normal((7, 4, 5, 3)) + 2.0
     gamma, beta = rng.standard_normal(4), rng.standard_normal(4)
@@ -141,18 +157,140 @@ def test_batchnorm_and_relu_in_row_blocks_equal_one_block(threads, monkeypatch):
         value, grads = minidl.value_and_grad(loss, grad_position=(0, 1, 2))(Tensor(x), Tensor(gamma), Tensor(beta))
         return [value.asnumpy()] + [g.asnumpy() for g in grads] + [mean.asnumpy(), var.asnumpy()]
 
+    options(batchnorm_min_bytes=0, batchnorm_parallel_bytes=0, parallel_min_bytes=0, relu_row=60)
     threads(1)
     one = run()
-    monkeypatch.setattr(intra_op, "MIN_PARALLEL_BYTES", 0)
     threads(3)
     calls = []
     real_map = intra_op.parallel_map
+    # A spy that only counts (it changes nothing): the blocked paths ran, on 3 threads.
     monkeypatch.setattr(intra_op, "parallel_map", lambda fn, n: calls.append(n) or real_map(fn, n))
-    blocked = run()
-    assert calls and set(calls) == {3}  # the blocked paths ran
+    with kernels.tracking() as used:
+        blocked = run()
+    assert {k.name for k in used} >= {"BatchNormBlocked", "ReLURows"}
+    assert calls and set(calls) == {3}
     for a, b in zip(one, blocked):
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
 
     relu_x = rng.standard_normal((9, 4096))
     y = ops.ReLU()(Tensor(relu_x)).asnumpy()
     np.testing.assert_array_equal(y, np.maximum(relu_x, 0))
+
+
+# ---- NumPy's BLAS, and the serial fallback without one ----
+
+def test_numpy_blas_name_reads_numpys_build_configuration():
+    config = {"Build Dependencies": {"blas": {"name": "scipy-openblas", "found": True}}}
+    assert intra_op.numpy_blas_name(config) == "scipy-openblas"
+    assert intra_op.numpy_blas_name({}) == ""  # a build that does not say: look for OpenBLAS anyway
+    assert isinstance(intra_op.numpy_blas_name(), str)
+
+
+def test_another_blas_is_not_searched_and_says_why(tmp_path):
+    lib, why = intra_op.find_openblas("accelerate", [str(tmp_path / "libopenblas.so")])
+    assert lib is None
+    assert "NumPy's BLAS is 'accelerate', not OpenBLAS" in why and "one thread" in why
+
+
+def test_no_openblas_found_says_so():
+    lib, why = intra_op.find_openblas("scipy-openblas", [])
+    assert lib is None and "NumPy's OpenBLAS was not found" in why and "one thread" in why
+
+
+@pytest.mark.skipif(not ctypes.util.find_library("m"), reason="needs a shared library without OpenBLAS in it")
+def test_a_library_without_the_thread_local_setter_is_passed_over(tmp_path):
+    libm = ctypes.util.find_library("m")
+    missing = str(tmp_path / "libopenblas-missing.so")
+    lib, why = intra_op.find_openblas("openblas", [missing, libm])
+    assert lib is None and "no openblas_set_num_threads_local (OpenBLAS >= 0.3.27)" in why and libm in why
+
+
+@needs_local_blas
+def test_numpys_openblas_is_found_where_the_wheel_or_threadpoolctl_shows_it():
+    lib, why = intra_op.find_openblas(intra_op.numpy_blas_name(), intra_op.openblas_paths())
+    assert lib and why.startswith("OpenBLAS with a thread-local thread count: ")
+    assert intra_op.blas_status() == why
+
+
+class _FakeOpenBLAS:
+    """Stands for a library whose thread count is 64 (more than this process's cores)."""
+
+    def scipy_openblas_get_num_threads64_(self):
+        return 64
+
+
+def test_thread_count_follows_the_blas_at_most_the_cores():
+    assert intra_op._default_threads({}, lib=_FakeOpenBLAS()) == min(64, intra_op.cores())
+    assert intra_op._default_threads({"MINIDL_NUM_THREADS": "3"}, lib=_FakeOpenBLAS()) == 3
+    if hasattr(os, "sched_getaffinity"):
+        assert intra_op.cores() == len(os.sched_getaffinity(0))
+
+
+def test_without_a_thread_local_blas_the_default_is_one_thread():
+    assert intra_op._default_threads({}, lib=None) == 1
+    assert intra_op._default_threads({"MINIDL_NUM_THREADS": "4"}, lib=None) == 1
+    with pytest.raises(ValueError, match="MINIDL_NUM_THREADS must be a positive int, got '0'"):
+        intra_op._default_threads({"MINIDL_NUM_THREADS": "0"}, lib=None)
+
+
+@pytest.fixture
+def no_blas(monkeypatch):
+    """This process as if NumPy's BLAS had no thread-local setting (restored afterwards)."""
+    lib, why = intra_op.find_openblas("scipy-openblas", [])
+    for key, value in dict(blas=lib or False, blas_status=why, threads=None, pool=None).items():
+        monkeypatch.setitem(intra_op._state, key, value)
+
+
+@pytest.mark.cpu_only  # intra-op threads split NumPy work; a GPU has none
+def test_without_a_thread_local_blas_ops_run_serially_and_give_the_reference(no_blas, options):
+    assert minidl.get_num_threads() == 1
+    minidl.set_num_threads(4)
+    assert minidl.get_num_threads() == 1  # asked for 4, but the BLAS cannot be held to one per thread
+    assert "was not found" in intra_op.blas_status()
+    options(parallel_min_bytes=0, relu_row=64)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 3, 8, 8))
+    w = rng.standard_normal((4, 3, 3, 3))
+    with kernels.tracking() as used:
+        fast = conv_step(x, w, 1, 1) + (ops.ReLU()(Tensor(x)).asnumpy(),)
+    assert {k.name for k in used} >= {"Conv2DRoutes", "ReLURows"}
+    with kernels.reference_only():
+        reference = conv_step(x, w, 1, 1) + (ops.ReLU()(Tensor(x)).asnumpy(),)
+    for a, b in zip(fast, reference):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert intra_op._state["pool"] is None  # no thread was started
+
+
+# ---- sizes from the caches ----
+
+def _fake_cache(root, cpu, entries):
+    """A sysfs-like tree: root/cpu<cpu>/cache/index<i>/{level,type,size} for each (level, type, size)."""
+    for i, fields in enumerate(entries):
+        index = root / f"cpu{cpu}" / "cache" / f"index{i}"
+        index.mkdir(parents=True)
+        for name, value in zip(("level", "type", "size"), fields):
+            if value is not None:
+                (index / name).write_text(f"{value}\n")
+
+
+def test_cache_sizes_read_a_sysfs_tree(tmp_path):
+    _fake_cache(tmp_path, 3, [(1, "Data", "48K"), (1, "Instruction", "64K"), (2, "Unified", "1280K"),
+                              (3, "Unified", "32M"), (4, "Unified", None)])  # no size: skipped
+    assert intra_op.cache_sizes(str(tmp_path), cpu=3) == {1: 48 << 10, 2: 1280 << 10, 3: 32 << 20}
+    assert intra_op.l2_bytes(str(tmp_path), cpu=3) == 1280 << 10
+    assert intra_op.cache_sizes(str(tmp_path), cpu=0) == {}
+
+
+def test_without_sysfs_the_l2_falls_back_to_the_documented_size(tmp_path):
+    assert intra_op.l2_bytes(str(tmp_path / "absent"), cpu=0) == intra_op.FALLBACK_L2_BYTES == 2 << 20
+    _fake_cache(tmp_path, 0, [(2, "Unified", "lots")])  # unreadable: the fallback too
+    assert intra_op.l2_bytes(str(tmp_path), cpu=0) == intra_op.FALLBACK_L2_BYTES
+
+
+def test_min_parallel_bytes_is_one_and_a_half_l2s_and_a_kernels_option(options):
+    assert intra_op._min_parallel_bytes(2 << 20) == 3 << 20  # the 3 MB measured on a 2 MB-L2 Xeon
+    machine = intra_op._min_parallel_bytes(intra_op.l2_bytes())
+    assert intra_op.MIN_PARALLEL_BYTES == machine == kernels.options()["parallel_min_bytes"][1]
+    assert intra_op.min_parallel_bytes() == machine
+    options(parallel_min_bytes=123)
+    assert intra_op.min_parallel_bytes() == 123

@@ -168,3 +168,13 @@ def test_sync_batchnorm_on_the_device_never_syncs_the_host(on_the_double):
         assert isinstance(gx, cupy_double.ndarray)
         # two forward calls, each moving the mean 10% of the way to the GLOBAL batch's mean
         np.testing.assert_allclose(mean.get(), 0.19 * x.mean(axis=(0, 2, 3)), rtol=1e-6)  # float32 statistics
+
+
+@pytest.mark.cpu_only
+def test_sync_batchnorm_has_the_blocked_cpu_kernel_within_its_bound():
+    from minidl import kernels
+    from minidl.testing.gradcheck import check_kernels
+    from minidl_parallel.sync_batchnorm import SyncBatchNormBlocked, SyncBatchNormOp
+    (kernel,) = [k for k in kernels.registered(SyncBatchNormOp) if isinstance(k, SyncBatchNormBlocked)]
+    for make, arrays in kernel.cases():
+        assert kernel in check_kernels(lambda *ts: make()(*ts), arrays, arrays[0].dtype)

@@ -1,2 +1,4 @@
 """CPU (NumPy) kernels; importing this package registers them (minidl/__init__.py does)."""
+from . import conv  # noqa: F401  (registration)
 from . import elementwise  # noqa: F401  (registration)
+from . import norm  # noqa: F401  (registration)

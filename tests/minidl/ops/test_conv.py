@@ -1,11 +1,14 @@
-"""Conv2D: forward vs a loop reference, gradients vs finite differences, errors."""
+"""Conv2D: forward vs a loop reference, gradients vs finite differences, errors; the reference
+body (kernels.reference_only) and the kernels (check_op compares them) alike."""
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 import minidl
-from minidl import ops, Tensor
-from minidl.ops import im2col as im2col_module
+from minidl import kernels, ops, Tensor
+from minidl.kernels.cpu import im2col as kernel_im2col
 from minidl.testing import check_op
 from minidl.testing.strategies import arrays
 
@@ -73,9 +76,26 @@ def run_case(case):
     check_op(op, [case["x"], case["w"]], reference=ref)
 
 
+@contextlib.contextmanager
+def images_per_chunk(n):
+    """The conv kernels take chunks of n images (a declared option, restored after)."""
+    kernels.set_option("images_per_chunk", n)
+    try:
+        yield
+    finally:
+        kernels.set_option("images_per_chunk", None)
+
+
 @given(case=conv_cases())
 def test_conv2d_matches_reference_and_gradients(case):
     run_case(case)
+
+
+@given(case=conv_cases())
+def test_reference_body_matches_loops_and_gradients(case):
+    """The readable body in minidl/ops/conv.py on its own, no kernel."""
+    with kernels.reference_only():
+        run_case(case)
 
 
 @settings(max_examples=6)
@@ -84,8 +104,7 @@ def test_conv2d_in_chunks_of_images(case, n):
     """Two images per im2col chunk and a shorter last chunk give the same values and gradients."""
     reps = -(-n // case["x"].shape[0])
     case = dict(case, x=np.concatenate([case["x"]] * reps)[:n])
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(im2col_module, "_images_per_chunk", lambda xp, n, nbytes, threads=1: 2)
+    with images_per_chunk(2):
         run_case(case)
 
 
@@ -100,8 +119,7 @@ def test_short_last_chunk(pad_mode, stride):
     x, w = rng.standard_normal((3, 2, 5, 6)), rng.standard_normal((3, 2, 3, 2))
     pad = 1 if pad_mode == "pad" else 0
     op = ops.Conv2D(3, (3, 2), pad_mode=pad_mode, pad=pad, stride=stride)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(im2col_module, "_images_per_chunk", lambda xp, n, nbytes, threads=1: 2)
+    with images_per_chunk(2):
         check_op(op, [x, w], reference=lambda x, w: ref_conv(x, w, (stride, stride), (pad,) * 4))
 
 
@@ -118,8 +136,7 @@ def test_a_short_chunk_after_a_full_one_in_the_same_buffers(n, threads):
     before = minidl.get_num_threads()
     minidl.set_num_threads(threads)
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(im2col_module, "_images_per_chunk", lambda xp, n, nbytes, threads=1: 2)
+        with images_per_chunk(2):
             (ops.Conv2D(2, 3, pad_mode="pad", pad=1)(xt, wt) * minidl.Tensor(gy)).sum().backward()
     finally:
         minidl.set_num_threads(before)
@@ -146,9 +163,8 @@ def test_masked_flat_rows(kernel, dilation, pads):
         op = ops.Conv2D(4, kernel, pad_mode="pad", pad=pads, dilation=dilation)
         ow = wd + pads[2] + pads[3] - (kernel[1] - 1) * dilation[1]
         oh = h + pads[0] + pads[1] - (kernel[0] - 1) * dilation[0]
-        assert im2col_module._Windows(x.shape, kernel, (1, 1), dilation, pads, (oh, ow)).masked
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(im2col_module, "_images_per_chunk", lambda xp, n, nbytes, threads=1: 2)
+        assert kernel_im2col._Windows(x.shape, kernel, (1, 1), dilation, pads, (oh, ow), (1 << 20, 1)).masked
+        with images_per_chunk(2):
             check_op(op, [x, w], reference=lambda x, w: ref_conv(x, w, (1, 1), pads, dilation))
         check_op(op, [x, w], reference=lambda x, w: ref_conv(x, w, (1, 1), pads, dilation))
 

@@ -1,11 +1,12 @@
 """Conv2DTranspose / conv_transpose2d: forward vs a scatter-loop reference, the adjoint of
-Conv2D, gradients vs finite differences, errors, and (cpu_only) PyTorch's values."""
+Conv2D, gradients vs finite differences, errors, and (cpu_only) PyTorch's values; the reference
+body (kernels.reference_only) and the kernels (check_op compares them) alike."""
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
 import minidl
-from minidl import ops, Tensor
+from minidl import kernels, ops, Tensor
 from minidl.testing import check_op
 from minidl.testing.strategies import arrays
 
@@ -69,12 +70,23 @@ def make_op(case):
                                dilation=case["dilation"], group=case["groups"])
 
 
-@given(case=transpose_cases())
-def test_conv_transpose_matches_reference_and_gradients(case):
+def run_case(case):
     op, size = make_op(case), case["size"]
     ref = lambda d, w: ref_conv_transpose(d, w, size, case["stride"], case["dilation"], case["top_left"],
                                           case["groups"])
     check_op(lambda d, w: op(d, w, size), [case["dout"], case["w"]], reference=ref)
+
+
+@given(case=transpose_cases())
+def test_conv_transpose_matches_reference_and_gradients(case):
+    run_case(case)
+
+
+@given(case=transpose_cases())
+def test_reference_body_matches_loops_and_gradients(case):
+    """The readable body in minidl/ops/conv.py on its own, no kernel."""
+    with kernels.reference_only():
+        run_case(case)
 
 
 @given(case=transpose_cases(), data=st.data())

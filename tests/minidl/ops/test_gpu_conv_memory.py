@@ -1,13 +1,22 @@
-"""Conv2D on the GPU path (the device double): im2col chunks bounded in bytes, contiguous column
-buffers for the GEMM, and the same results in one chunk, in several, and on the CPU (issue 16)."""
+"""Conv2D on the GPU path (the device double, the CuPy conv kernel): im2col chunks bounded in
+bytes, contiguous column buffers for the GEMM, and the same results in one chunk, in several,
+and on the CPU (issue 16)."""
 import numpy as np
 import pytest
 
-from minidl import ops, Tensor
-from minidl.ops import im2col
+from minidl import kernels, ops, Tensor
+from minidl.kernels.cpu import im2col
+from minidl.kernels.cuda import conv as cuda_conv
 from minidl.testing import cupy_double
 
 ENV = "MINIDL_GPU_IM2COL_BYTES"
+
+
+@pytest.fixture
+def limit():
+    """set(n): the gpu_im2col_bytes option (restored to its default afterwards)."""
+    yield lambda n: kernels.set_option("gpu_im2col_bytes", n)
+    kernels.set_option("gpu_im2col_bytes", None)
 
 # name: (x shape, w shape, Conv2D keyword arguments, whether x needs a gradient)
 CASES = {
@@ -48,7 +57,8 @@ def conv_step(x, w, gy, kwargs, need_x):
 
 
 class Recorder:
-    """Spies on the GPU path: every chunking, every column buffer, every device GEMM."""
+    """Spies on the GPU path: every chunking, every column buffer, every device GEMM (it watches;
+    the options steer)."""
 
     def __init__(self, monkeypatch, cupy):
         self.chunkings, self.column_bytes, self.gemms = [], [], []
@@ -89,39 +99,55 @@ def assert_contiguous_gemms(rec, case):
         assert out is None or out.flags.c_contiguous, f"{case}: out= {out.shape} strides {out.strides}"
 
 
-def test_the_limit_defaults_to_256_mib_and_follows_the_environment(monkeypatch):
+def test_the_limit_defaults_to_256_mib_and_follows_the_environment_and_the_option(monkeypatch, limit):
     monkeypatch.delenv(ENV, raising=False)
-    assert im2col.gpu_im2col_bytes() == 256 << 20 == im2col.GPU_IM2COL_BYTES
+    assert cuda_conv.gpu_im2col_bytes() == 256 << 20 == cuda_conv.GPU_IM2COL_BYTES
     monkeypatch.setenv(ENV, "123456")
-    assert im2col.gpu_im2col_bytes() == 123456  # read when used, not at import
+    assert cuda_conv.gpu_im2col_bytes() == 123456  # read when used, not at import
+    limit(4096)
+    assert cuda_conv.gpu_im2col_bytes() == 4096  # the declared option wins over the environment
 
 
 @pytest.mark.parametrize("value", ["0", "-4096", "256M", "1.5e8"])
 def test_a_bad_limit_names_the_variable_and_the_value(monkeypatch, value):
     monkeypatch.setenv(ENV, value)
     with pytest.raises(ValueError, match=rf"{ENV} must be a positive int .*got '{value}'"):
-        im2col.gpu_im2col_bytes()
+        cuda_conv.gpu_im2col_bytes()
 
 
-def test_chunks_on_the_gpu_stay_under_the_limit_and_run_on_one_thread(monkeypatch):
-    win = im2col._Windows((256, 64, 56, 56), (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), (56, 56))
-    per_image = win.k * win.oh * win.q * 4  # a ResNet-50 stage-1 conv, float32: ~7.5 MB an image
+@pytest.mark.parametrize("value", [0, -1, 1.5, "256M", True])
+def test_a_bad_option_names_the_option_and_the_value(limit, value):
+    limit(value)
+    with pytest.raises(ValueError, match=rf"option gpu_im2col_bytes must be a positive int .*got {value!r}"):
+        cuda_conv.gpu_im2col_bytes()
+
+
+def gpu_windows(x_shape, out_hw):
+    """A 3x3 'same' conv's windows with the CuPy kernel's chunk budget."""
+    return cuda_conv.Conv2DChunked().windows(x_shape, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), out_hw)
+
+
+def test_chunks_on_the_gpu_stay_under_the_limit_and_run_on_one_thread(monkeypatch, limit):
     cupy = cupy_double.cupy_module()
     monkeypatch.delenv(ENV, raising=False)
+    win = gpu_windows((256, 64, 56, 56), (56, 56))
+    per_image = win.k * win.oh * win.q * 4  # a ResNet-50 stage-1 conv, float32: ~7.5 MB an image
     chunks, threads = win.chunking(cupy, np.dtype(np.float32))
     assert threads == 1
     assert max(n1 - n0 for n0, n1 in chunks) * per_image <= 256 << 20 < 256 * per_image
     assert chunks[0][0] == 0 and chunks[-1][1] == 256 and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
-    monkeypatch.setenv(ENV, str(per_image - 1))  # below one image: still one image a chunk
+    limit(per_image - 1)  # below one image: still one image a chunk
+    win = gpu_windows((256, 64, 56, 56), (56, 56))
     assert win.chunking(cupy, np.dtype(np.float32))[0] == [(i, i + 1) for i in range(256)]
 
 
-def test_the_gpu_limit_leaves_the_cpu_chunks_alone(monkeypatch):
-    win = im2col._Windows((64, 16, 32, 32), (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), (32, 32))
+def test_the_gpu_limit_leaves_the_cpu_chunks_alone(monkeypatch, limit):
+    from minidl.kernels.cpu.conv import Conv2DRoutes
+    cpu_windows = lambda: Conv2DRoutes().windows((64, 16, 32, 32), (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), (32, 32))
     monkeypatch.delenv(ENV, raising=False)
-    before = win.chunking(np, np.dtype(np.float32))
-    monkeypatch.setenv(ENV, "1")
-    assert win.chunking(np, np.dtype(np.float32)) == before
+    before = cpu_windows().chunking(np, np.dtype(np.float32))
+    limit(1)
+    assert cpu_windows().chunking(np, np.dtype(np.float32)) == before
     assert len(before[0]) > 1  # the CPU still chunks for its cache
     # and keeps its padded row pitch (an odd multiple of 64 bytes), which the GPU does not use
     assert im2col._row_pitch(np, 6144, 4) == 6160
@@ -130,7 +156,7 @@ def test_the_gpu_limit_leaves_the_cpu_chunks_alone(monkeypatch):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_several_chunks_on_the_gpu_give_one_chunks_and_the_cpus_results(on_the_double, device_target,
-                                                                         monkeypatch, case):
+                                                                         monkeypatch, limit, case):
     """Forward, input and weight gradients, in one chunk, in several with a short last one, and on
     the CPU; the column buffers stay under the limit and the GEMMs get contiguous buffers."""
     x_shape, w_shape, kwargs, need_x = CASES[case]
@@ -141,7 +167,7 @@ def test_several_chunks_on_the_gpu_give_one_chunks_and_the_cpus_results(on_the_d
     with device_target("CPU"):
         on_cpu = conv_step(x, w, gy, kwargs, need_x)
 
-    monkeypatch.setenv(ENV, str(1 << 40))
+    limit(1 << 40)
     whole = Recorder(monkeypatch, on_the_double)
     one_chunk = conv_step(x, w, gy, kwargs, need_x)
     assert whole.chunkings and all(len(chunks) == 1 for _, chunks, _ in whole.chunkings)
@@ -151,18 +177,18 @@ def test_several_chunks_on_the_gpu_give_one_chunks_and_the_cpus_results(on_the_d
     # smallest, then for the largest, every one splits five images as 2 + 2 + 1 in some run.
     sizes = {p for p, _, _ in whole.chunkings}
     short_last = set()
-    for limit in (max(max(sizes), 2 * min(sizes)), 2 * max(sizes)):
-        monkeypatch.setenv(ENV, str(limit))
+    for nbytes in (max(max(sizes), 2 * min(sizes)), 2 * max(sizes)):
+        limit(nbytes)
         rec = Recorder(monkeypatch, on_the_double)
         chunked = conv_step(x, w, gy, kwargs, need_x)
         for p, chunks, threads in rec.chunkings:
             sizes_here = [n1 - n0 for n0, n1 in chunks]
-            assert threads == 1 and max(sizes_here) * p <= limit
+            assert threads == 1 and max(sizes_here) * p <= nbytes
             if sizes_here[-1] < sizes_here[0]:
                 short_last.add(p)
-        assert rec.column_bytes and max(rec.column_bytes) <= limit
-        assert max(a.nbytes for gemm in rec.gemms for a in gemm if a is not None) <= limit
-        assert_contiguous_gemms(rec, f"{case}, limit {limit}")
+        assert rec.column_bytes and max(rec.column_bytes) <= nbytes
+        assert max(a.nbytes for gemm in rec.gemms for a in gemm if a is not None) <= nbytes
+        assert_contiguous_gemms(rec, f"{case}, limit {nbytes}")
         for name, got, single in zip(("y", "gx", "gw"), chunked, one_chunk):
             if got is not None:
                 np.testing.assert_allclose(got, single, rtol=1e-12, atol=1e-12, err_msg=f"{name}: chunks vs one")

@@ -1,0 +1,197 @@
+"""The BatchNorm and BatchNormReLU CPU kernels (minidl/kernels/cpu/norm.py) against their references:
+hypothesis draws on blocks of one image over every intra-op thread, a ResNet-sized activation, float32
+numerics, the statistics seams, and where the kernels stand aside."""
+import contextlib
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, strategies as st
+
+from minidl import kernels, ops, Tensor
+from minidl.kernels.cpu.norm import BatchNormBlocked, BatchNormReLUBlocked
+from minidl.testing import check_op
+from minidl.testing.gradcheck import check_kernels
+from minidl.testing.strategies import arrays
+
+pytestmark = pytest.mark.cpu_only  # NumPy kernels: the device-pinned suite runs the references
+
+
+@contextlib.contextmanager
+def settings(**values):
+    """Declared kernel options set for a block, then restored."""
+    before = {name: kernels.get_option(name) for name in values}
+    try:
+        for name, value in values.items():
+            kernels.set_option(name, value)
+        yield
+    finally:
+        for name, value in before.items():
+            kernels.set_option(name, value)
+
+
+# Every input takes a kernel, one image per block, the blocks on every intra-op thread.
+SMALL_BLOCKS = dict(batchnorm_min_bytes=0, batchnorm_relu_block_bytes=1, batchnorm_parallel_bytes=0)
+
+
+def np_pre_activation(x, scale, bias, mean, var, training, eps, residual=None):
+    axes = tuple(i for i in range(x.ndim) if i != 1)
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    if training:
+        mean, var = x.mean(axis=axes), x.var(axis=axes)
+    z = (x - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + eps) * scale.reshape(shape) + bias.reshape(shape)
+    return z if residual is None else z + residual
+
+
+@st.composite
+def case(draw):
+    ndim = draw(st.sampled_from([2, 3, 4]))
+    shape = [draw(st.integers(2, 4))] + [draw(st.integers(1, 3)) for _ in range(ndim - 1)]
+    c = shape[1]
+    x, residual = draw(arrays(tuple(shape))), draw(arrays(tuple(shape)))
+    # A spread in every channel: the stated bound is for channels whose variance is not far below
+    # eps (a constant channel scales the blocked sums' rounding by 1 / sqrt(eps), see the kernels).
+    x = x + 0.7071 * np.arange(shape[0]).reshape((-1,) + (1,) * (ndim - 1))
+    assume(np.all(x.var(axis=tuple(i for i in range(ndim) if i != 1)) > 0.01))
+    scale, bias = draw(arrays((c,), -2.0, 2.0)), draw(arrays((c,)))
+    mean, var = draw(arrays((c,))), draw(arrays((c,), 0.1, 3.0))
+    return x, scale, bias, mean, var, residual
+
+
+@given(case=case())
+def test_batch_norm_kernel_on_small_blocks(case):
+    x, scale, bias, mean, var, _ = case
+    fn = lambda x, s, b: ops.BatchNorm(True, 1e-5, 0.1)(x, s, b, Tensor(mean.copy()), Tensor(var.copy()))
+    with settings(**SMALL_BLOCKS), kernels.tracking() as used:
+        check_op(fn, [x, scale, bias], reference=lambda x, s, b: np_pre_activation(x, s, b, mean, var, True, 1e-5),
+                 fwd_rtol=1e-9)
+    assert {k.name for k in used} == {"BatchNormBlocked"}
+
+
+@given(case=case(), training=st.booleans())
+def test_batch_norm_relu_kernel_on_small_blocks(case, training):
+    x, scale, bias, mean, var, residual = case
+    pre = np_pre_activation(x, scale, bias, mean, var, training, 1e-5, residual)
+    residual = residual + np.where(np.abs(pre) < 0.05, 0.2, 0.0)  # no finite difference across the kink
+    fn = lambda x, s, b, r: ops.BatchNormReLU(training)(x, s, b, Tensor(mean.copy()), Tensor(var.copy()), r)
+    ref = lambda x, s, b, r: np.maximum(np_pre_activation(x, s, b, mean, var, training, 1e-5, r), 0)
+    with settings(**SMALL_BLOCKS), kernels.tracking() as used:
+        check_op(fn, [x, scale, bias, residual], reference=ref, fwd_rtol=1e-9)
+    assert "BatchNormReLUBlocked" in {k.name for k in used}
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_fused_kernel_matches_the_separate_kernels(training, with_residual):
+    """Outputs, every gradient and the running statistics of BatchNorm, Add and ReLU, on a
+    ResNet-sized float32 activation over many blocks and both threads, within the kernels' bound."""
+    rng = np.random.default_rng(0)
+    shape = (16, 16, 16, 16)  # 4096 values per image: the ReLU takes its zero-row path
+    x, gy, res = (rng.normal(1.0, 2.0, shape).astype(np.float32) for _ in range(3))
+    scale, bias = rng.normal(size=16).astype(np.float32), rng.normal(size=16).astype(np.float32)
+    stats = (rng.normal(size=16).astype(np.float32), rng.uniform(0.5, 2, 16).astype(np.float32))
+
+    def run(fused):
+        tx, ts, tb, tr = (Tensor(a, requires_grad=True) for a in (x, scale, bias, res))
+        mean, var = (Tensor(a.copy()) for a in stats)
+        extra = (tr,) if with_residual else ()
+        if fused:
+            y = ops.BatchNormReLU(training, 1e-5, 0.1)(tx, ts, tb, mean, var, *extra)
+        else:
+            y = ops.BatchNorm(training, 1e-5, 0.1)(tx, ts, tb, mean, var)
+            y = ops.relu(y + tr if with_residual else y)
+        y.backward(Tensor(gy))
+        grads = [tx.grad, ts.grad, tb.grad] + ([tr.grad] if with_residual else [])
+        return [y.asnumpy()] + [g.asnumpy() for g in grads] + [mean.asnumpy(), var.asnumpy()]
+
+    with settings(batchnorm_min_bytes=0, batchnorm_relu_block_bytes=4096, batchnorm_parallel_bytes=0):
+        with kernels.tracking() as used:
+            fused = run(True)
+        assert "BatchNormReLUBlocked" in {k.name for k in used}
+        separate = run(False)
+    rtol, atol = BatchNormReLUBlocked().bound_for(np.dtype(np.float32))
+    names = ["y", "gx", "gscale", "gbias"] + (["gresidual"] if with_residual else []) + ["mean", "variance"]
+    for name, a, b in zip(names, fused, separate):
+        assert a.dtype == np.float32 and np.isfinite(b).all(), name  # a finite reference: a finite tolerance
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol * max(1.0, float(np.abs(b).max())), err_msg=name)
+
+
+def test_float32_statistics_of_a_large_offset():
+    """Mean 1000, deviation 1: E[x^2] - E[x]^2 in float32 would lose the variance to rounding;
+    every block is centred on its own."""
+    rng = np.random.default_rng(1)
+    x = (1000.0 + rng.standard_normal((32, 4, 8, 8))).astype(np.float32)
+    ones, zeros = np.ones(4, np.float32), np.zeros(4, np.float32)
+    mean, var = Tensor(zeros.copy()), Tensor(ones.copy())
+    with settings(batchnorm_min_bytes=0, batchnorm_relu_block_bytes=2048), kernels.tracking() as used:
+        y = ops.BatchNormReLU(True, 1e-5, 1.0)(Tensor(x), Tensor(ones), Tensor(zeros), mean, var).asnumpy()
+    assert "BatchNormReLUBlocked" in {k.name for k in used}
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(y, np.maximum(np_pre_activation(x64, ones, zeros, None, None, True, 1e-5), 0),
+                               atol=2e-3)
+    np.testing.assert_allclose(mean.asnumpy(), x64.mean(axis=(0, 2, 3)), rtol=1e-6)
+    np.testing.assert_allclose(var.asnumpy(), x64.var(axis=(0, 2, 3), ddof=1), rtol=1e-3)
+
+
+class _TwoCopies(ops.BatchNorm):
+    """Its batch is this block twice: every cross-batch sum (and the count) doubled at the seams."""
+
+    def sum_over_batch(self, sums):
+        return 2 * sums
+
+
+@kernels.register
+class _TwoCopiesBlocked(BatchNormBlocked):
+    op = _TwoCopies  # what a subclass that changes only the seams (SyncBatchNormOp) would register
+
+    def applies(self, node, x, *rest):
+        return node.is_training  # any size: the tests here run it on small arrays too
+
+    def cases(self):  # in the table now, so test_kernels.py may run it too
+        x = np.random.default_rng(3).standard_normal((64, 4, 8, 8))
+        return [(lambda: lambda *ts: _TwoCopies(True)(*ts, np.zeros(4), np.ones(4)), [x, np.ones(4), np.zeros(4)])]
+
+
+def test_the_kernel_keeps_the_seams_of_a_subclass():
+    """Registered for a subclass, the blocked body computes on x BatchNorm of [x; x], as the reference does."""
+    rng = np.random.default_rng(5)
+    x, gy = (rng.standard_normal((64, 4, 8, 8)) * 2 + 1 for _ in range(2))
+    scale, bias = rng.standard_normal(4), rng.standard_normal(4)
+
+    def run(op, x, gy):
+        xt, st_, bt = (Tensor(a, requires_grad=True) for a in (x, scale, bias))
+        mean, var = Tensor(np.zeros(4)), Tensor(np.ones(4))
+        y = op(xt, st_, bt, mean, var)
+        y.backward(Tensor(gy))
+        return y.asnumpy(), xt.grad.asnumpy(), st_.grad.asnumpy(), bt.grad.asnumpy(), mean.asnumpy(), var.asnumpy()
+
+    with settings(batchnorm_parallel_bytes=0), kernels.tracking() as used:
+        got = run(_TwoCopies(True, 1e-5, 0.3), x, gy)
+    assert used == {kernels.registered(_TwoCopies)[0]}
+    want = run(ops.BatchNorm(True, 1e-5, 0.3), np.concatenate([x, x]), np.concatenate([gy, gy]))
+    for name, a, b in zip(["y", "gx"], got[:2], want[:2]):
+        np.testing.assert_allclose(a, b[:64], rtol=1e-12, atol=1e-12, err_msg=name)
+    for name, a, b in zip(["gscale", "gbias"], got[2:4], want[2:4]):  # this block's share
+        np.testing.assert_allclose(a, b / 2, rtol=1e-12, atol=1e-12, err_msg=name)
+    for name, a, b in zip(["mean", "variance"], got[4:], want[4:]):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12, err_msg=name)
+    for make, arrays_ in _TwoCopiesBlocked().cases():
+        assert check_kernels(lambda *ts: make()(*ts), arrays_) == {kernels.registered(_TwoCopies)[0]}
+
+
+def test_small_inputs_and_inference_take_the_reference():
+    rng = np.random.default_rng(2)
+    c = 16
+    vectors = [Tensor(a) for a in (np.ones(c, np.float32), np.zeros(c, np.float32))]
+    stats = lambda: [Tensor(np.zeros(c, np.float32)), Tensor(np.ones(c, np.float32))]
+    small = Tensor(rng.standard_normal((8, c, 8, 8)).astype(np.float32))  # 32 KB
+    large = Tensor(rng.standard_normal((64, c, 16, 16)).astype(np.float32))  # 1 MB
+    with kernels.tracking() as used:
+        ops.BatchNorm(True)(small, *vectors, *stats())
+        ops.BatchNormReLU(True)(small, *vectors, *stats())
+        ops.BatchNorm(False)(large, *vectors, *stats())  # inference: one multiply, one add
+    assert used == set()
+    with kernels.tracking() as used:
+        ops.BatchNorm(True)(large, *vectors, *stats())
+        ops.BatchNormReLU(True)(large, *vectors, *stats())
+        ops.BatchNormReLU(False)(large, *vectors, *stats())
+    assert {k.name for k in used} == {"BatchNormBlocked", "BatchNormReLUBlocked"}

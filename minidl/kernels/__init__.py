@@ -30,6 +30,8 @@ import contextlib
 import os
 import threading
 
+import numpy
+
 from ..backend import get_array_module
 
 __all__ = ["Kernel", "register", "choose", "registered", "set_reference_only", "reference_only", "is_reference_only",
@@ -104,7 +106,7 @@ def choose(node, arrays):
     kernels = _table.get(type(node))
     if not kernels or _state["reference_only"]:
         return None
-    backend = get_array_module(*[a for a in arrays if hasattr(a, "dtype")]).__name__.split(".")[0]
+    backend = "numpy" if get_array_module(*arrays) is numpy else "cupy"
     for kernel in kernels:
         if kernel.backend == backend and kernel.applies(node, *arrays):
             used = getattr(_local, "used", None)

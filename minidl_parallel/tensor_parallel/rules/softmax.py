@@ -19,20 +19,22 @@ indices (N,) and axis -1). With the classes cut in c, each rank builds its block
 ``depth / c`` from indices shifted by its block's first class; indices outside the block
 give off_value, as out-of-range indices do in minidl's OneHot.
 """
+import numpy
+
 from minidl import ops
 from minidl.backend import get_array_module
 from minidl.ops.activation import LogSoftmax
 from minidl.ops.array import Cast, OneHot, OnesLike
-from minidl.ops.loss import NLLLoss, SoftmaxCrossEntropyWithLogits
+from minidl.ops.loss import NLLLoss, SoftmaxCrossEntropyWithLogits, host_label_checks
 from minidl.ops.math import Exp, Log, Mul, Neg, RealDiv, Sub
-from minidl.ops.primitive import normalize_axis
+from minidl.ops.primitive import Primitive, normalize_axis
 from minidl.ops.reduce import ReduceSum
 from minidl.tensor import no_grad
 
 from ..layout import Layout
 from .base import (Decomposed, OpSharding, Rule, StrategyError, TensorSpec, check_strategy_shape,
                    device_matrix_for, largest_cut, register, tensor_specs)
-from .elementwise import dims_map, first_accepted, follow
+from .elementwise import UnaryRule, dims_map, first_accepted, follow
 from .reduce import PartialReduceMax
 
 __all__ = ["SoftmaxRule", "SoftmaxCrossEntropyRule", "SparseSoftmaxCrossEntropyRule", "NLLLossRule", "OneHotRule"]
@@ -164,10 +166,16 @@ class SparseSoftmaxCrossEntropyRule(Rule):
         one_hot = OneHot().shard((s_l, (), ()))
         cast = Cast().shard((s_l,))
         dense = SoftmaxCrossEntropyWithLogits().shard((s_l, s_l))
+        validity = LabelValidity(depth).shard(((n,),))
+        column = ops.ExpandDims().shard(((n,),))
+        poison = Mul().shard((s_l, (n, 1)))
 
         def fn(logits, labels):
-            _check_labels(prim, labels, depth)
             target = cast(one_hot(labels, depth, 1.0, 0.0), logits.dtype)
+            if isinstance(labels.data, numpy.ndarray) or host_label_checks():
+                _check_labels(prim, labels, depth)
+            else:  # device labels: a bad one makes its sample's loss NaN, with no host sync (ops/loss.py)
+                target = poison(target, column(validity(labels), 1))
             return dense(logits, target)
         return Decomposed(fn, f"{prim.name} with the classes cut in {c}: OneHot(labels) cut like the logits, then "
                               f"the dense SoftmaxCrossEntropyWithLogits")
@@ -183,6 +191,27 @@ class SparseSoftmaxCrossEntropyRule(Rule):
         else:
             cuts = follow(logits, layouts[0], avoid=(1,))
         return first_accepted(self, prim, args, device_num, [(cuts, (cuts[0],)), ((cuts[0], 1), (cuts[0],))])
+
+
+class LabelValidity(Primitive):
+    """1.0 where a label lies in [0, depth), NaN elsewhere (float32): multiplied into the one-hot
+    target of the class-split cross-entropy, it makes a bad device label's loss NaN, as the fused
+    op does (minidl/ops/loss.py host_label_checks), where the one-hot alone would give a silent 0."""
+
+    def __init__(self, depth):
+        super().__init__()
+        self.depth = depth
+
+    def forward(self, labels):
+        xp = get_array_module(labels)
+        bad = (labels < 0) | (labels >= self.depth)
+        return xp.where(bad, numpy.float32("nan"), numpy.float32(1.0))
+
+    def backward(self, gy):
+        return (None,)
+
+
+register(LabelValidity)(UnaryRule)
 
 
 def _check_labels(prim, labels, depth):

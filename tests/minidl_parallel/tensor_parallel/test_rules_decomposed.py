@@ -121,11 +121,44 @@ def test_cross_entropies_with_cut_classes(logits, seed):
     sparse = ops.SparseSoftmaxCrossEntropyWithLogits()
     fn = decomposed(sparse, [logits, index], ((3, 2), (3,)), 6)
     compare(sparse, fn, [logits, index])
-    with pytest.raises(ValueError, match=r"label 4 is out of range for 4 classes"):
-        fn(Tensor(logits), Tensor(np.array([0, 4, 1], np.int32)))
+    bad = Tensor(np.array([0, 4, 1], np.int32))
+    if isinstance(bad.data, np.ndarray):  # host labels: checked (on the device: NaN, next test)
+        with pytest.raises(ValueError, match=r"label 4 is out of range for 4 classes"):
+            fn(Tensor(logits), bad)
+
+
+def test_class_split_cross_entropy_gives_nan_for_a_bad_device_label_without_a_sync(on_the_double):
+    from minidl.testing import cupy_double
+    logits = np.random.default_rng(0).standard_normal((3, 4))
+    sparse = ops.SparseSoftmaxCrossEntropyWithLogits()
+    fn = decomposed(sparse, [logits, np.zeros(3, np.int32)], ((3, 2), (3,)), 6)
+    good = np.array([0, 3, 1], np.int32)
+    x, labels = Tensor(logits, requires_grad=True), Tensor(np.array([0, 4, -1], np.int32))
+    with cupy_double.count_host_syncs() as syncs:
+        loss = fn(x, labels)
+        loss.sum().backward()
+    assert syncs.total == 0, syncs.by_reason
+    loss, gx = loss.asnumpy(), x.grad.asnumpy()
+    assert np.isnan(loss[1:]).all() and np.isnan(gx[1:]).all()  # never a silent 0 (the one-hot of 4 is all 0)
+    np.testing.assert_allclose(loss[0], sparse(Tensor(logits), Tensor(good)).asnumpy()[0], rtol=1e-12)
+    assert np.isfinite(gx[0]).all()
 
 
 def test_squeeze_of_nothing_on_cut_blocks_keeps_every_dimension():
     x = np.arange(24.0).reshape(4, 6)
     prim = ops.Squeeze()
     compare(prim, decomposed(prim, [x], ((4, 1),), 4), [x])
+
+
+def test_sharded_class_split_cross_entropy_on_the_device_marks_bad_labels_nan(on_the_double):
+    from rule_helpers import host, on_ranks
+    logits = np.random.default_rng(1).standard_normal((4, 6))
+
+    def rank():
+        loss = ops.SparseSoftmaxCrossEntropyWithLogits().shard(((1, 2), (1,)))
+        return host(loss(Tensor(logits), Tensor(np.array([0, 6, 5, 2], np.int32))).data)
+
+    want = ops.SparseSoftmaxCrossEntropyWithLogits()(Tensor(logits), Tensor(np.array([0, 0, 5, 2], np.int32)))
+    for got in on_ranks(2, rank):
+        assert np.isnan(got[1]) and np.isfinite(got[[0, 2, 3]]).all()
+        np.testing.assert_allclose(got[[0, 2, 3]], host(want.data)[[0, 2, 3]], rtol=1e-12)

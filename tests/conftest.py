@@ -90,3 +90,12 @@ def on_the_double(monkeypatch):
     import minidl
     minidl.set_seed(0)
     yield cupy_double.cupy_module()
+
+
+@pytest.fixture
+def kernels_on():
+    """For tests of the kernels themselves: the kernels table on, even when the suite runs on
+    reference bodies (MINIDL_KERNELS=reference)."""
+    from minidl import kernels
+    with kernels.reference_only(False):
+        yield

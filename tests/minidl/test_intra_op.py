@@ -139,7 +139,7 @@ def test_forked_child_gets_its_own_pool(threads):
 
 @needs_local_blas
 @pytest.mark.cpu_only  # intra-op row blocks split NumPy work over host threads; a GPU has none
-def test_batchnorm_and_relu_in_row_blocks_equal_one_block(threads, options, monkeypatch):
+def test_batchnorm_and_relu_in_row_blocks_equal_one_block(threads, options, monkeypatch, kernels_on):
     """Every array large enough for the kernels and their blocks (thresholds 0), on 3 threads
     (7 images: blocks of 3, 2, 2) vs one block: ReLU exactly, BatchNorm to rounding (the
     per-channel sums add their blocks' partial sums)."""
@@ -242,7 +242,7 @@ def no_blas(monkeypatch):
 
 
 @pytest.mark.cpu_only  # intra-op threads split NumPy work; a GPU has none
-def test_without_a_thread_local_blas_ops_run_serially_and_give_the_reference(no_blas, options):
+def test_without_a_thread_local_blas_ops_run_serially_and_give_the_reference(no_blas, options, kernels_on):
     assert minidl.get_num_threads() == 1
     minidl.set_num_threads(4)
     assert minidl.get_num_threads() == 1  # asked for 4, but the BLAS cannot be held to one per thread

@@ -171,7 +171,7 @@ def test_sync_batchnorm_on_the_device_never_syncs_the_host(on_the_double):
 
 
 @pytest.mark.cpu_only
-def test_sync_batchnorm_has_the_blocked_cpu_kernel_within_its_bound():
+def test_sync_batchnorm_has_the_blocked_cpu_kernel_within_its_bound(kernels_on):
     from minidl import kernels
     from minidl.testing.gradcheck import check_kernels
     from minidl_parallel.sync_batchnorm import SyncBatchNormBlocked, SyncBatchNormOp

@@ -12,6 +12,9 @@ from minidl.kernels.cpu import conv as cpu_conv
 from minidl.kernels.cuda import conv as cuda_conv
 from minidl.testing.gradcheck import check_kernels
 
+# These tests are about the kernels: they run with the kernels table on (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("kernels_on")
+
 CPU = [k for k in kernels.registered() if k.op in (ops.Conv2D, ops.Conv2DTranspose) and k.backend == "numpy"]
 GPU = [k for k in kernels.registered() if k.op in (ops.Conv2D, ops.Conv2DTranspose) and k.backend == "cupy"]
 

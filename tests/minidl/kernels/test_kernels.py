@@ -11,6 +11,9 @@ import minidl
 from minidl import kernels, ops, Tensor
 from minidl.testing.gradcheck import check_kernels
 
+# These tests are about the kernels: they run with the kernels table on (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("kernels_on")
+
 ALL = kernels.registered()
 
 

@@ -13,7 +13,8 @@ from minidl.testing import check_op
 from minidl.testing.gradcheck import check_kernels
 from minidl.testing.strategies import arrays
 
-pytestmark = pytest.mark.cpu_only  # NumPy kernels: the device-pinned suite runs the references
+# NumPy kernels: the device-pinned suite runs the references.
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("kernels_on")]
 
 
 @contextlib.contextmanager

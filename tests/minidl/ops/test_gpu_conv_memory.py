@@ -9,6 +9,9 @@ from minidl.kernels.cpu import im2col
 from minidl.kernels.cuda import conv as cuda_conv
 from minidl.testing import cupy_double
 
+# These tests are about the kernels: they run with the kernels table on (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("kernels_on")
+
 ENV = "MINIDL_GPU_IM2COL_BYTES"
 
 

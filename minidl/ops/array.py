@@ -33,6 +33,18 @@ def _check_array(op, name, x):
         raise TypeError(f"{op}: {name} must be a Tensor, got {type(x).__name__}")
 
 
+def check_dtype(op, dtype):
+    """``dtype`` as a numpy dtype, or a TypeError naming the op (None is refused: np.dtype(None)
+    would quietly be float64)."""
+    try:
+        target = None if dtype is None else numpy.dtype(dtype)
+    except TypeError:
+        target = None
+    if target is None:
+        raise TypeError(f"{op}: dtype must be a dtype such as minidl.float32, got {dtype!r}")
+    return target
+
+
 def _scatter_add(a, index, values):
     """``a[index] += values`` in place, where repeated indices accumulate (plain ``+=`` does not).
 
@@ -244,12 +256,7 @@ class Cast(Primitive):
 
     def forward(self, x, dtype):
         _check_array(self.name, "x", x)
-        try:
-            target = None if dtype is None else numpy.dtype(dtype)  # np.dtype(None) would be float64
-        except TypeError:
-            target = None
-        if target is None:
-            raise TypeError(f"{self.name}: dtype must be a dtype such as minidl.float32, got {dtype!r}")
+        target = check_dtype(self.name, dtype)
         self.x_dtype = x.dtype
         self.differentiable = x.dtype.kind in "fc" and target.kind in "fc"
         return x.astype(target, copy=False)

@@ -12,7 +12,7 @@ import numpy
 from .. import backend
 from ..backend import get_array_module
 from ..tensor import Tensor, float32
-from .array import _check_array, _check_int, _int_tuple
+from .array import _check_array, _check_int, _int_tuple, check_dtype
 from .indexing import StridedSlice
 from .primitive import Primitive, _check_strategy, normalize_axis, sum_to_shape
 
@@ -421,12 +421,7 @@ class ScalarToTensor:
         if not isinstance(input_x, (bool, int, float)):
             raise TypeError(f"{self.name}: input_x must be a Python bool, int or float, got "
                             f"{type(input_x).__name__} {input_x!r}")
-        try:
-            target = None if dtype is None else numpy.dtype(dtype)  # np.dtype(None) would be float64
-        except TypeError:
-            target = None
-        if target is None:
-            raise TypeError(f"{self.name}: dtype must be a dtype such as minidl.float32, got {dtype!r}")
+        target = check_dtype(self.name, dtype)
         # astype on the host, not asarray(input_x, dtype): NumPy 2 refuses out-of-range Python ints there.
         return Tensor._wrap(backend.to_device(numpy.asarray(input_x).astype(target)))
 

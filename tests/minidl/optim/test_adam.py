@@ -12,7 +12,7 @@ from minidl import Parameter, Tensor, nn
 from minidl.io import load_checkpoint, save_checkpoint
 from minidl.optim import Adam, AdamWeightDecay, ExponentialDecayLR
 from minidl.testing import cupy_double
-from optim_helpers import makers, run
+from optim_helpers import assert_data_parallel_equals_one_device, makers, run
 
 SHAPES = [(3, 4), (4,), ()]
 make_params, make_grads = makers(("fc.weight", "fc.bias", "scale"), SHAPES)
@@ -284,37 +284,7 @@ def test_an_adam_step_never_syncs_the_host(on_the_double):
 
 
 def test_adam_under_the_distributed_optimizer_equals_one_device():
-    from minidl_parallel import DistributedOptimizer, get_rank, run_threads
-
-    n, b, steps = 2, 3, 3
-    rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((n * b * steps, 3)), rng.standard_normal((n * b * steps, 2))
-    loss_fn = nn.MSELoss(reduction="mean")
-
-    def mlp():
-        minidl.set_seed(0)
-        return nn.SequentialCell(nn.Dense(3, 4, dtype=minidl.float64), nn.Tanh(), nn.Dense(4, 2, dtype=minidl.float64))
-
-    def train(net, opt, rows):
-        grad_fn = minidl.value_and_grad(lambda a, c: loss_fn(net(a), c), None, opt.parameters)
-        for r in rows:
-            _, grads = grad_fn(Tensor(x[r]), Tensor(y[r]))
-            opt(grads)
-        return [p.asnumpy() for p in net.trainable_params()]
-
-    ref = mlp()
-    want = train(ref, Adam(ref.trainable_params(), 0.01, weight_decay=0.01),
-                 [slice(s * n * b, (s + 1) * n * b) for s in range(steps)])
-
-    def rank():
-        r = get_rank()
-        net = mlp()
-        opt = DistributedOptimizer(Adam(net.trainable_params(), 0.01, weight_decay=0.01))
-        return train(net, opt, [slice(s * n * b + r * b, s * n * b + (r + 1) * b) for s in range(steps)])
-
-    for got in run_threads(n, rank):
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+    assert_data_parallel_equals_one_device(lambda params: Adam(params, 0.01, weight_decay=0.01))
 
 
 def test_construction_errors():

@@ -20,6 +20,7 @@ check that each change leaves the results unchanged.
 attribute set, to try a setting before making it the default. Changes (what "undone" runs instead):
     none        nothing: an A/A run, whose ratio shows the harness's own spread
     bn-relu     BatchNorm2d.with_relu as BatchNorm, Add and ReLU, three ops (ops/norm_relu.py)
+    taps        stride-1 convolutions by im2col and one GEMM per chunk, not by tap GEMMs (kernels/cpu/taps.py)
 
 ``--env NAME=VALUE`` (repeatable) is for settings that hold for a whole process (the malloc
 tuning of minidl/_allocator.py): they cannot alternate step by step, so A and B run in
@@ -42,7 +43,7 @@ import subprocess
 import sys
 import time
 
-CHANGES = ("none", "bn-relu")
+CHANGES = ("none", "bn-relu", "taps")
 
 
 def parse_args():
@@ -138,6 +139,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import minidl  # noqa: E402
 from minidl import nn, ops, Tensor  # noqa: E402
 from minidl.models import resnet20  # noqa: E402
+from minidl.kernels.cpu.taps import Taps  # noqa: E402
 
 
 def separate_ops(bn, x, residual=None):
@@ -167,6 +169,8 @@ def settings_of_b():
         return out
     if args.change == "bn-relu":
         out.append((nn.BatchNorm2d, "with_relu", separate_ops))
+    if args.change == "taps":
+        out.append((Taps, "fits", staticmethod(lambda *arrays: False)))
     return out
 
 

@@ -36,6 +36,7 @@ import numpy
 
 from ... import _intra_op as intra_op
 from .. import declare_option, get_option
+from . import blas
 
 # 4 MB per thread overfilled an 8 MB last-level cache shared by 2 cores; 2 MB each (that machine's
 # L2) ran the ResNet-20 step 1.01-1.09x faster over five paired runs (benchmarks/bench_step_ab.py):
@@ -44,6 +45,22 @@ declare_option("conv_cache_bytes", None, "column bytes of the conv chunks all in
                "once on the CPU (each thread's chunk: this / threads); None: the L2 size times the threads")
 declare_option("images_per_chunk", None, "images per im2col + GEMM chunk of the conv kernels (CPU and GPU); "
                "None: as many as the chunk budget holds (conv_cache_bytes, gpu_im2col_bytes), at least one")
+
+
+def _matmul(xp, a, b, out, accumulate=False):
+    """``out = a @ b`` (``out += a @ b`` with accumulate), batched over the leading (group) axis.
+    On NumPy one direct BLAS call per group (blas.py: MKL where installed, NumPy's OpenBLAS
+    otherwise, straight into ``out``, no temporary); elsewhere, or where BLAS cannot take the
+    views as they lie, ``xp.matmul``."""
+    if xp is numpy and blas.matmul(a[0], b[0], out[0], 1.0 if accumulate else 0.0):
+        for g in range(1, out.shape[0]):  # the same strides and dtypes: BLAS takes these too
+            blas.matmul(a[g], b[g], out[g], 1.0 if accumulate else 0.0)
+        return out
+    if accumulate:
+        out += xp.matmul(a, b)
+    else:
+        xp.matmul(a, b, out=out)
+    return out
 
 
 def _as_strided(xp, a, shape, strides):
@@ -236,7 +253,7 @@ def _correlate(xp, x, w, win, group, times=None):
             m = col.shape[1]
             col = col.reshape(group, -1, m)
             out = _rows(xp, outs, o, m)
-            xp.matmul(w3, col, out=out.reshape(group, o // group, m))
+            _matmul(xp, w3, col, out.reshape(group, o // group, m))
             # One transposing copy to NCHW, which also drops the garbage columns of flat rows.
             y[n0:n1] = out.reshape(o, n1 - n0, oh, q)[..., :ow].transpose(1, 0, 2, 3)
             if times is not None:
@@ -248,7 +265,7 @@ def _correlate(xp, x, w, win, group, times=None):
                 tc = tbuf[:ct * tp].reshape(ct, tp)[:, :m].reshape(ct, n1 - n0, oh, q)
                 tc[..., :ow] = times[n0:n1].transpose(1, 0, 2, 3)
                 # (K, m) @ (m, C): BLAS measured this orientation ~1.7x faster than (C, m) @ (m, K).
-                acc += xp.matmul(col, tc.reshape(group, ct // group, m).swapaxes(-1, -2))
+                _matmul(xp, col, tc.reshape(group, ct // group, m).swapaxes(-1, -2), acc, accumulate=True)
         return acc
 
     accs = intra_op.parallel_map(run, threads)

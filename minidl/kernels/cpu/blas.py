@@ -1,0 +1,148 @@
+"""GEMM straight into a BLAS library, for kernels that need what ``numpy.matmul`` cannot say.
+
+``numpy.matmul`` always overwrites its output and takes whole arrays. The tap convolution
+(taps.py here) sums one GEMM per kernel offset into the same output, ``C = A @ B + C``, with
+operands that start anywhere in a flat buffer: that is BLAS's ``beta = 1`` and a base pointer
+with a leading dimension, one ``cblas_?gemm`` call, made through ctypes (which releases the
+GIL, so the intra-op threads run their GEMMs at once).
+
+Which library (the ``blas`` option):
+- ``"openblas"``: the one NumPy itself links (found by minidl/_intra_op.py: the wheel's copy);
+  the intra-op threads make it single-threaded for theirs.
+- ``"mkl"``: Intel's MKL (``pip install 'minidl[mkl]'``, PyPI's ``mkl``), loaded with its
+  sequential threading layer, so it starts no thread pool of its own: the kernels call it from
+  the intra-op threads, one GEMM per thread, as they do OpenBLAS. On the conv kernels' GEMM
+  shapes (16-64 output channels, a few thousand columns) it measured 1.2-1.5x OpenBLAS's speed
+  on one core (benchmarks/bench_gemm.py --direct). NumPy's own matmul stays on OpenBLAS.
+- None (default): MKL when it is installed, else OpenBLAS.
+Without either (a NumPy on another BLAS) :func:`available` is false and kernels take their
+other routes. :func:`library` says which is in use.
+"""
+import ctypes
+import glob
+import os
+import sys
+
+import numpy
+
+from ... import _intra_op as intra_op
+from .. import declare_option, get_option
+
+__all__ = ["available", "library", "gemm", "matmul", "address"]
+
+declare_option("blas", None, "the BLAS the CPU kernels call directly: 'mkl', 'openblas' (NumPy's), or None: "
+               "MKL when installed (pip install 'minidl[mkl]'), else NumPy's OpenBLAS")
+
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+_MKL_SEQUENTIAL = 1  # MKL_Set_Threading_Layer's MKL_THREADING_SEQUENTIAL
+# (prefix, suffix, BLAS integer): NumPy's wheels ship OpenBLAS built with 64-bit integers under
+# scipy_ names; a system OpenBLAS has the plain CBLAS names (LP64) or the 64_ suffix (ILP64).
+_OPENBLAS_NAMES = (("scipy_cblas_", "64_", ctypes.c_int64), ("cblas_", "64_", ctypes.c_int64),
+                   ("cblas_", "", ctypes.c_int))
+_found = {}  # library name -> {dtype char: ctypes gemm} ({} when that library is absent)
+
+
+def _bind(lib, prefix, suffix, blas_int):
+    """{dtype char: gemm} from lib's ``{prefix}?gemm{suffix}``, or {} when it lacks them."""
+    names = {"f": f"{prefix}sgemm{suffix}", "d": f"{prefix}dgemm{suffix}"}
+    if not all(hasattr(lib, n) for n in names.values()):
+        return {}
+    fns = {}
+    for char, name in names.items():
+        scalar = ctypes.c_float if char == "f" else ctypes.c_double
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = ([ctypes.c_int] * 3 + [blas_int] * 3 + [scalar, ctypes.c_void_p, blas_int,
+                       ctypes.c_void_p, blas_int, scalar, ctypes.c_void_p, blas_int])
+        fns[char] = fn
+    return fns
+
+
+def _load(name):
+    if name not in _found:
+        fns = {}
+        if name == "openblas":
+            lib = intra_op._openblas()
+            for prefix, suffix, blas_int in _OPENBLAS_NAMES if lib else ():
+                fns = _bind(lib, prefix, suffix, blas_int)
+                if fns:
+                    break
+        else:  # MKL's single dynamic library, as the mkl wheel installs it under sys.prefix/lib
+            for path in sorted(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*"))):
+                try:
+                    lib = ctypes.CDLL(path)
+                except OSError:
+                    continue
+                # Must precede MKL's first computation; sequential: no OpenMP pool beside OpenBLAS's.
+                lib.MKL_Set_Threading_Layer(_MKL_SEQUENTIAL)
+                fns = _bind(lib, "cblas_", "", ctypes.c_int)  # mkl_rt's default interface is LP64
+                if fns:
+                    break
+        _found[name] = fns
+    return _found[name]
+
+
+def library():
+    """'mkl' or 'openblas': the library gemm calls; None when neither is found."""
+    choice = get_option("blas")
+    if choice is not None:
+        if choice not in ("mkl", "openblas"):
+            raise ValueError(f"kernels option blas must be 'mkl', 'openblas' or None, got {choice!r}")
+        if not _load(choice):
+            raise RuntimeError(f"kernels option blas={choice!r}, but it was not found"
+                               + (": pip install 'minidl[mkl]'" if choice == "mkl" else f" ({intra_op.blas_status()})"))
+        return choice
+    for name in ("mkl", "openblas"):
+        if _load(name):
+            return name
+    return None
+
+
+def _functions():
+    name = library()
+    return _found[name] if name else {}
+
+
+def available(dtype):
+    """Whether :func:`gemm` can run for ``dtype`` (float32 or float64, with a library found)."""
+    return numpy.dtype(dtype).char in _functions()
+
+
+def address(a):
+    """The address of a's first element (for :func:`gemm`)."""
+    return a.__array_interface__["data"][0]
+
+
+def gemm(dtype, m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, trans_b=False):
+    """``C = A @ B + beta * C`` (``A @ B.T`` with trans_b) on row-major operands given by address:
+    A (m, k) with row stride lda, B (k, n) or, with trans_b, (n, k), stride ldb, C (m, n), stride ldc,
+    all in elements of ``dtype``. The caller keeps the arrays alive and in bounds."""
+    _functions()[numpy.dtype(dtype).char](_ROW_MAJOR, _NO_TRANS, _TRANS if trans_b else _NO_TRANS,
+                                         m, n, k, 1.0, a, lda, b, ldb, beta, c, ldc)
+
+
+def _rows(a):
+    """(address, row stride in elements, transposed) of a 2-D view BLAS can take as it lies."""
+    it = a.itemsize
+    s0, s1 = a.strides
+    if s1 == it and s0 % it == 0 and s0 >= max(1, a.shape[1]) * it:
+        return address(a), s0 // it, False
+    if s0 == it and s1 % it == 0 and s1 >= max(1, a.shape[0]) * it:
+        return address(a), s1 // it, True
+    return None
+
+
+def matmul(a, b, out, beta=0.0):
+    """``out[...] = a @ b + beta * out`` for 2-D NumPy views (any row pitch, either orientation) of
+    one float dtype through :func:`gemm`; False (nothing done) where BLAS cannot take them as they
+    lie. Whether it can depends only on dtypes and strides, not on the values."""
+    if not (a.dtype == b.dtype == out.dtype and available(out.dtype) and min(a.shape + b.shape) > 0):
+        return False
+    ra, rb, rc = _rows(a), _rows(b), _rows(out)
+    if ra is None or rb is None or rc is None or rc[2]:
+        return False
+    (pa, lda, ta), (pb, ldb, tb) = ra, rb
+    m, k = a.shape
+    _functions()[out.dtype.char](_ROW_MAJOR, _TRANS if ta else _NO_TRANS, _TRANS if tb else _NO_TRANS,
+                                 m, b.shape[1], k, 1.0, pa, lda, pb, ldb, beta, rc[0], rc[1])
+    return True

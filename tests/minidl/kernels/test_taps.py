@@ -1,0 +1,145 @@
+"""The tap convolution (minidl/kernels/cpu/taps.py) and the direct BLAS calls under it
+(minidl/kernels/cpu/blas.py), against NumPy and the reference Conv2D, on each BLAS found."""
+import contextlib
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from minidl import kernels, ops, Tensor
+from minidl.kernels.cpu import blas, conv as cpu_conv
+from minidl.kernels.cpu.taps import Taps, tap_correlate
+
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("kernels_on")]
+
+LIBRARIES = [name for name in ("openblas", "mkl") if blas._load(name)]
+
+
+@contextlib.contextmanager
+def option(name, value):
+    previous = kernels.get_option(name)
+    kernels.set_option(name, value)
+    try:
+        yield
+    finally:
+        kernels.set_option(name, previous)
+
+
+@pytest.fixture(params=LIBRARIES)
+def library(request):
+    with option("blas", request.param):
+        yield request.param
+
+
+def test_numpys_openblas_is_found():
+    # NumPy's wheels vendor OpenBLAS; the tap route depends on reaching it (or MKL).
+    assert "openblas" in LIBRARIES
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_matmul_in_every_layout_and_accumulating(library, dtype):
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((7, 5)).astype(dtype)
+    b = rng.standard_normal((5, 9)).astype(dtype)
+    layouts_b = [b, np.asfortranarray(b), np.pad(b, ((0, 0), (0, 3)))[:, :9]]
+    for a_view in (a, np.asfortranarray(a), np.pad(a, ((0, 0), (0, 2)))[:, :5]):
+        for b_view in layouts_b:
+            out = np.full((7, 12), 2.0, dtype)[:, :9]
+            assert blas.matmul(a_view, b_view, out)
+            np.testing.assert_allclose(out, a @ b, rtol=1e-5)
+            assert blas.matmul(a_view, b_view, out, beta=1.0)
+            np.testing.assert_allclose(out, 2 * (a @ b), rtol=1e-5)
+    assert (out[:, :9] == out).all()
+
+
+def test_matmul_declines_what_blas_cannot_take(library):
+    a = np.ones((4, 6), np.float32)
+    out = np.zeros((4, 3), np.float32)
+    assert not blas.matmul(a, np.ones((6, 3), np.float64), out)           # mixed dtypes
+    assert not blas.matmul(a, np.ones((6, 6), np.float32)[:, ::2], out)   # no unit stride
+    assert not blas.matmul(a.astype(np.int32), np.ones((6, 3), np.int32), out.astype(np.int32))
+    assert (out == 0).all()
+
+
+def test_gemm_sums_into_c_from_offset_operands(library):
+    rng = np.random.default_rng(1)
+    flat = rng.standard_normal((3, 40)).astype(np.float32)
+    w = rng.standard_normal((2, 3)).astype(np.float32)
+    out = np.zeros((2, 20), np.float32)
+    for off in (0, 5):
+        blas.gemm(np.float32, 2, 20, 3, blas.address(w), 3, blas.address(flat) + 4 * off, 40,
+                  blas.address(out), 20, beta=1.0)
+    np.testing.assert_allclose(out, w @ flat[:, 0:20] + w @ flat[:, 5:25], rtol=1e-5, atol=1e-6)
+
+
+def test_a_bad_blas_option_says_what_is_accepted():
+    with option("blas", "atlas"), pytest.raises(ValueError, match="'mkl', 'openblas' or None"):
+        blas.library()
+
+
+def test_mkl_missing_names_the_extra(monkeypatch):
+    monkeypatch.setitem(blas._found, "mkl", {})
+    with option("blas", "mkl"), pytest.raises(RuntimeError, match=r"minidl\[mkl\]"):
+        blas.library()
+
+
+def reference(x, w, pads, dilation):
+    """Conv2D's reference body (kernels off) on float64 copies."""
+    pt, pb, pl, pr = pads
+    conv = ops.Conv2D(w.shape[0], w.shape[2:], pad_mode="pad", pad=(pt, pb, pl, pr), dilation=dilation)
+    with kernels.reference_only():
+        return conv(Tensor(x.astype(np.float64)), Tensor(w.astype(np.float64))).data
+
+
+def weight_products(x, times, pads, dilation, kernel):
+    """acc[t, ct, c] = sum over output positions of times[:, ct] * padded x at tap t[:, c] (float64)."""
+    (kh, kw), (dh, dw) = kernel, dilation
+    pt, pb, pl, pr = pads
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    oh, ow = times.shape[2:]
+    out = np.zeros((kh * kw, times.shape[1], x.shape[1]))
+    for i in range(kh):
+        for j in range(kw):
+            win = xp[:, :, i * dh:i * dh + oh, j * dw:j * dw + ow]
+            out[i * kw + j] = np.einsum("nohw,nchw->oc", times.astype(np.float64), win)
+    return out
+
+
+@given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 4), st.integers(3, 9), st.integers(3, 9),
+       st.sampled_from([(1, 1), (2, 2), (3, 3), (1, 3), (3, 2)]), st.sampled_from([(1, 1), (2, 1), (1, 2)]),
+       st.tuples(*[st.integers(0, 3)] * 4), st.sampled_from([None, 1, 2]))
+def test_tap_correlation_equals_the_reference(n, c, o, h, wd, kernel, dilation, pads, per_chunk):
+    (kh, kw), (dh, dw) = kernel, dilation
+    pt, pb, pl, pr = pads
+    oh, ow = h + pt + pb - (kh - 1) * dh, wd + pl + pr - (kw - 1) * dw
+    if oh < 1 or ow < 1:
+        return
+    rng = np.random.default_rng(n * 100 + c * 10 + o)
+    x = rng.standard_normal((n, c, h, wd)).astype(np.float32)
+    w = rng.standard_normal((o, c, kh, kw)).astype(np.float32)
+    times = rng.standard_normal((n, o, oh, ow)).astype(np.float32)
+    assert Taps.fits(x, w, (1, 1), pads, 1)
+    with option("images_per_chunk", per_chunk):
+        taps = Taps(x.shape, kernel, dilation, pads, (oh, ow), (1 << 16, 2))
+        y, acc = tap_correlate(x, w, taps, times=times)
+        y_alone = tap_correlate(x, w, taps)
+    np.testing.assert_allclose(y, reference(x, w, pads, dilation), rtol=1e-4, atol=1e-4)
+    assert (y_alone == y).all()
+    np.testing.assert_allclose(acc, weight_products(x, times, pads, dilation, kernel), rtol=1e-4, atol=1e-3)
+
+
+def test_taps_do_not_take_what_they_cannot_run():
+    x, w = np.ones((1, 2, 5, 5), np.float32), np.ones((2, 2, 3, 3), np.float32)
+    assert not Taps.fits(x, w, (2, 2), (1, 1, 1, 1), 1)         # strided
+    assert not Taps.fits(x, w, (1, 1), (1, 1, 1, 1), 2)         # grouped
+    assert not Taps.fits(x, w, (1, 1), (-1, 0, 0, 0), 1)        # a crop
+    assert not Taps.fits(x.astype(np.float16), w.astype(np.float16), (1, 1), (1, 1, 1, 1), 1)
+
+
+def test_the_conv_kernel_cases_pass_on_every_library(library):
+    # The differential cases of both conv kernels (tests/minidl/kernels/test_conv_kernels.py runs them
+    # on the default library): forward by taps, backward by taps where that pays (MKL), else im2col.
+    from minidl.testing.gradcheck import check_kernels
+    for kernel in (cpu_conv.Conv2DRoutes(), cpu_conv.Conv2DTransposeRoutes()):
+        for make, arrays in kernel.cases():
+            check_kernels(lambda *ts: make()(*ts), arrays, arrays[0].dtype)

@@ -34,7 +34,7 @@ from ...tensor import is_grad_enabled
 from .. import Kernel, get_option, register
 from . import blas
 from .im2col import _Phases, _Windows, _correlate, _matmul
-from .taps import Taps, tap_correlate
+from .taps import Taps, tap_correlate, tap_input_gradient
 
 __all__ = ["Conv2DRoutes", "Conv2DTransposeRoutes"]
 
@@ -61,6 +61,9 @@ class _Chunked(Kernel):
     def windows(self, x_shape, kernel, stride, dilation, pads, out_hw):
         return _Windows(x_shape, kernel, stride, dilation, pads, out_hw, self.budget())
 
+    def taps(self, x_shape, win):
+        return Taps(x_shape, win.kernel, win.stride, win.dilation, win.pads, (win.oh, win.ow), win.budget)
+
     def correlate(self, xp, x, w, win, group, times=None):
         """y = x (*) w over ``win``, and with ``times`` also ``(y, acc)``, acc as _correlate's.
 
@@ -71,7 +74,7 @@ class _Chunked(Kernel):
         the output has (32x32 and 16x16 images, not 8x8: 1.27x).
         """
         if Taps.fits(x, w, win.stride, win.pads, group):
-            taps = Taps(x.shape, win.kernel, win.dilation, win.pads, (win.oh, win.ow), win.budget)
+            taps = self.taps(x.shape, win)
             if times is None:
                 return tap_correlate(x, w, taps)
             if blas.library() == "mkl" and taps.block * 8 <= taps.oh * taps.ow * 9:
@@ -132,6 +135,15 @@ class Conv2DRoutes(_Chunked):
             return gx, gw
         if need_x and win.flat:
             return self._grads_by_correlation(node, xp, gy, need_w)
+        if not win.flat and Taps.fits(gy, w, win.stride, win.pads, g):
+            # Strided: gx by the tap GEMMs' adjoint, gw by one more GEMM per tap (taps.py).
+            taps = self.taps(node.x.shape, win)
+            gx = tap_input_gradient(gy, w, taps) if need_x else None
+            gw = None
+            if need_w:
+                acc = tap_correlate(node.x, w, taps, times=gy, forward=False)  # (kh*kw, O, C)
+                gw = xp.ascontiguousarray(acc.reshape(w.shape[2:] + w.shape[:2]).transpose(2, 3, 0, 1))
+            return gx, gw
         n, c, oh, ow, q = win.n, win.c, win.oh, win.ow, win.q
         chunks, threads = win.chunking(xp, gy.dtype)
         nb = max(n1 - n0 for n0, n1 in chunks)

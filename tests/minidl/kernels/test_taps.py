@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 
 from minidl import kernels, ops, Tensor
 from minidl.kernels.cpu import blas, conv as cpu_conv
-from minidl.kernels.cpu.taps import Taps, tap_correlate
+from minidl.kernels.cpu.taps import Taps, tap_correlate, tap_input_gradient
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("kernels_on")]
 
@@ -83,54 +83,61 @@ def test_mkl_missing_names_the_extra(monkeypatch):
         blas.library()
 
 
-def reference(x, w, pads, dilation):
-    """Conv2D's reference body (kernels off) on float64 copies."""
-    pt, pb, pl, pr = pads
-    conv = ops.Conv2D(w.shape[0], w.shape[2:], pad_mode="pad", pad=(pt, pb, pl, pr), dilation=dilation)
+def reference(x, w, stride, pads, dilation, gy):
+    """Conv2D's reference body (kernels off) on float64 copies: (y, gx) for output gradient gy."""
+    conv = ops.Conv2D(w.shape[0], w.shape[2:], pad_mode="pad", pad=pads, stride=stride, dilation=dilation)
     with kernels.reference_only():
-        return conv(Tensor(x.astype(np.float64)), Tensor(w.astype(np.float64))).data
+        xt = Tensor(x.astype(np.float64), requires_grad=True)
+        y = conv(xt, Tensor(w.astype(np.float64)))
+        (y * Tensor(gy.astype(np.float64))).sum().backward()
+    return y.data, xt.grad.data
 
 
-def weight_products(x, times, pads, dilation, kernel):
+def weight_products(x, times, stride, pads, dilation, kernel):
     """acc[t, ct, c] = sum over output positions of times[:, ct] * padded x at tap t[:, c] (float64)."""
-    (kh, kw), (dh, dw) = kernel, dilation
+    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
     pt, pb, pl, pr = pads
     xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pt, pb), (pl, pr)))
     oh, ow = times.shape[2:]
     out = np.zeros((kh * kw, times.shape[1], x.shape[1]))
     for i in range(kh):
         for j in range(kw):
-            win = xp[:, :, i * dh:i * dh + oh, j * dw:j * dw + ow]
+            win = xp[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw]
             out[i * kw + j] = np.einsum("nohw,nchw->oc", times.astype(np.float64), win)
     return out
 
 
 @given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 4), st.integers(3, 9), st.integers(3, 9),
-       st.sampled_from([(1, 1), (2, 2), (3, 3), (1, 3), (3, 2)]), st.sampled_from([(1, 1), (2, 1), (1, 2)]),
-       st.tuples(*[st.integers(0, 3)] * 4), st.sampled_from([None, 1, 2]))
-def test_tap_correlation_equals_the_reference(n, c, o, h, wd, kernel, dilation, pads, per_chunk):
-    (kh, kw), (dh, dw) = kernel, dilation
+       st.sampled_from([(1, 1), (2, 2), (3, 3), (1, 3), (3, 2)]), st.sampled_from([(1, 1), (2, 2), (2, 1), (1, 3)]),
+       st.sampled_from([(1, 1), (2, 1), (1, 2)]), st.tuples(*[st.integers(0, 3)] * 4), st.sampled_from([None, 1, 2]))
+def test_taps_equal_the_reference(n, c, o, h, wd, kernel, stride, dilation, pads, per_chunk):
+    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
     pt, pb, pl, pr = pads
-    oh, ow = h + pt + pb - (kh - 1) * dh, wd + pl + pr - (kw - 1) * dw
+    oh = (h + pt + pb - (kh - 1) * dh - 1) // sh + 1
+    ow = (wd + pl + pr - (kw - 1) * dw - 1) // sw + 1
     if oh < 1 or ow < 1:
         return
     rng = np.random.default_rng(n * 100 + c * 10 + o)
     x = rng.standard_normal((n, c, h, wd)).astype(np.float32)
     w = rng.standard_normal((o, c, kh, kw)).astype(np.float32)
-    times = rng.standard_normal((n, o, oh, ow)).astype(np.float32)
-    assert Taps.fits(x, w, (1, 1), pads, 1)
+    gy = rng.standard_normal((n, o, oh, ow)).astype(np.float32)
+    assert Taps.fits(x, w, stride, pads, 1)
     with option("images_per_chunk", per_chunk):
-        taps = Taps(x.shape, kernel, dilation, pads, (oh, ow), (1 << 16, 2))
-        y, acc = tap_correlate(x, w, taps, times=times)
+        taps = Taps(x.shape, kernel, stride, dilation, pads, (oh, ow), (1 << 16, 2))
+        y, acc = tap_correlate(x, w, taps, times=gy)
         y_alone = tap_correlate(x, w, taps)
-    np.testing.assert_allclose(y, reference(x, w, pads, dilation), rtol=1e-4, atol=1e-4)
-    assert (y_alone == y).all()
-    np.testing.assert_allclose(acc, weight_products(x, times, pads, dilation, kernel), rtol=1e-4, atol=1e-3)
+        acc_alone = tap_correlate(x, w, taps, times=gy, forward=False)
+        gx = tap_input_gradient(gy, w, taps)
+    y_ref, gx_ref = reference(x, w, stride, pads, dilation, gy)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
+    assert (y_alone == y).all() and (acc_alone == acc).all()
+    np.testing.assert_allclose(acc, weight_products(x, gy, stride, pads, dilation, kernel), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(gx, gx_ref, rtol=1e-4, atol=1e-4)
 
 
 def test_taps_do_not_take_what_they_cannot_run():
     x, w = np.ones((1, 2, 5, 5), np.float32), np.ones((2, 2, 3, 3), np.float32)
-    assert not Taps.fits(x, w, (2, 2), (1, 1, 1, 1), 1)         # strided
+    assert Taps.fits(x, w, (2, 2), (1, 1, 1, 1), 1)
     assert not Taps.fits(x, w, (1, 1), (1, 1, 1, 1), 2)         # grouped
     assert not Taps.fits(x, w, (1, 1), (-1, 0, 0, 0), 1)        # a crop
     assert not Taps.fits(x.astype(np.float16), w.astype(np.float16), (1, 1), (1, 1, 1, 1), 1)

@@ -173,7 +173,7 @@ def tap_input_gradient(gy, w, taps):
     ``w_t^T (C, O) @ gy (O, M)`` summed (beta = 1) into the phase buffers at the tap's start, then
     the phases' data positions gathered back onto x (the padding copy's adjoint). Any stride."""
     n, o = gy.shape[:2]
-    c, kh, kw = w.shape[1], w.shape[2], w.shape[3]
+    c = w.shape[1]
     it, dtype = gy.itemsize, gy.dtype
     tap_wt = numpy.ascontiguousarray(w.transpose(2, 3, 1, 0))  # (kh, kw, C, O): w_t^T per tap
     w_addr, w_step = blas.address(tap_wt), o * c * it

@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py                       # the user-written ResNet-20, batch 64
     python benchmarks/profile_step.py --model resnet20 --by-shape --threads 1 --steps 10
+    python benchmarks/profile_step.py --mode graph          # under set_context(mode=GRAPH_MODE)
 
 For the profiled steps only, and from the outside (nothing in minidl changes):
 ``Primitive.apply`` is wrapped to time each op call's forward, to note which kernel ran
@@ -13,8 +14,9 @@ ops (loss, value_and_grad), and the optimizer's own work outside ops.
 
 Per row, the median over the steps of its summed time per step, and its share of the median
 step (so the rows need not add up to exactly 100%). The wrappers cost a few microseconds per
-call: the unprofiled step time is printed beside the profiled one. Steps run eagerly (the
-default PYNATIVE_MODE), where every op goes through ``Primitive.apply``. Conv2D and MatMul calls
+call: the unprofiled step time is printed beside the profiled one. Steps run in ``--mode``
+(default pynative); in both modes every op that runs goes through ``Primitive.apply`` (under
+graph, the fused BatchNormReLU shows where BatchNorm, Add and ReLU ran). Conv2D and MatMul calls
 also count their forward FLOPs, checked against benchmarks/flops.py's count from the layers.
 """
 import argparse
@@ -32,6 +34,8 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="BLAS / intra-op threads")
     p.add_argument("--by-shape", action="store_true", help="split Conv2D rows by layer shape")
+    p.add_argument("--mode", choices=["pynative", "graph"], default="pynative",
+                   help="minidl's execution mode: set_context(mode=PYNATIVE_MODE or GRAPH_MODE)")
     return p.parse_args()
 
 
@@ -154,6 +158,7 @@ def run_steps(grad_fn, opt, x, y, steps, prof=None):
 
 def main():
     batch = args.batch or (256 if args.model == "mlp" else 64)
+    minidl.set_context(mode=minidl.GRAPH_MODE if args.mode == "graph" else minidl.PYNATIVE_MODE)
     _, grad_fn, opt = models_minidl.training_parts(args.model)
     rng = np.random.default_rng(0)
     shape = (batch, 784) if args.model == "mlp" else (batch, 3, 32, 32)
@@ -181,7 +186,7 @@ def main():
     counted = f"{steps[-1][4] / 1e9:.3f} GFLOP forward in Conv2D and MatMul calls"
     if layers is not None:
         counted += f" (flops.py from the layers: {flops.step_flops(layers(), batch)[0] / 1e9:.3f})"
-    print(f"{args.model}, batch {batch}, {args.threads} thread(s), kernels "
+    print(f"{args.model}, batch {batch}, {args.threads} thread(s), {args.mode} mode, kernels "
           f"{'off (MINIDL_KERNELS=reference)' if kernels.is_reference_only() else 'on'}: median step "
           f"{step:.1f} ms profiled, {ms([s[0] for s in plain]):.1f} ms unprofiled, over {args.steps} steps; {counted}")
     print(f"{'op [kernel]':48s} {'calls':>5s} {'fwd ms':>8s} {'bwd ms':>8s} {'share':>6s}")

@@ -13,6 +13,7 @@ import numpy
 
 from .tensor import Tensor, Parameter
 
+_graph_flush = None  # fn() while GRAPH_MODE is on (minidl/graph_mode.py): runs ops it left deferred
 _FREED_MESSAGE = ("Trying to backward through the graph a second time (or directly access saved tensors after "
                   "they have already been freed). Saved intermediate values of the graph are freed when you call "
                   ".backward(), value_and_grad or grad. Specify retain_graph=True if you need to backward through "
@@ -249,6 +250,8 @@ def value_and_grad(fn, grad_position=None, weights=None, has_aux=False, on_grad_
             args[p] = Tensor._wrap(data)
             args[p].requires_grad = True
         out = fn(*args)
+        if _graph_flush is not None:
+            _graph_flush()  # a BatchNorm still deferred at the end updates its moving statistics now
         if has_aux:
             if not isinstance(out, (tuple, list)) or len(out) < 2:
                 raise TypeError("value_and_grad: has_aux=True needs fn to return (loss, aux, ...)")

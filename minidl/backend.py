@@ -12,13 +12,26 @@ import numpy
 # device_target: None until first asked; chosen: set by set_context or $MINIDL_DEVICE (else defaulted)
 _state = {"device_target": None, "chosen": False, "seed": None}
 
-# MindSpore's execution modes, under its names and values (``minidl.GRAPH_MODE``). Both run eagerly
-# today: GRAPH_MODE is accepted so that MindSpore scripts run unchanged, and a compiled (recorded and
-# replayed) path will be proven equal to the eager one before it is used (docs/graph_mode.md).
+# MindSpore's execution modes, under its names and values (``minidl.GRAPH_MODE``). PYNATIVE_MODE runs
+# every op as it is called; GRAPH_MODE defers BatchNorm until its first use so that a following
+# (Add and) ReLU run fused, with eager's results (minidl/graph_mode.py, docs/graph_mode.md).
 GRAPH_MODE = 0
 PYNATIVE_MODE = 1
+
+
+def _mode_from_env():
+    """The default mode: $MINIDL_MODE ("graph" or "pynative"; read once, at import), else PYNATIVE_MODE."""
+    value = os.environ.get("MINIDL_MODE", "").strip().lower()
+    if value in ("", "pynative"):
+        return PYNATIVE_MODE
+    if value == "graph":
+        return GRAPH_MODE
+    raise ValueError(f"MINIDL_MODE must be 'graph' or 'pynative', got {value!r}")
+
+
 # What set_context stores besides the device; the values are MindSpore's defaults.
-_settings = {"mode": PYNATIVE_MODE, "save_graphs": 0, "save_graphs_path": "."}
+_settings = {"mode": _mode_from_env(), "save_graphs": 0, "save_graphs_path": "."}
+_mode_listeners = []  # fn(mode), called by set_context(mode=...): minidl/graph_mode.py's switch
 _rng_local = threading.local()
 _cupy = None  # the cupy module once imported, False when it is not importable
 _cupy_error = None  # why not, when it is not: shown to the user who asks for the GPU
@@ -60,8 +73,11 @@ def set_context(device_target=None, device_id=None, mode=None, save_graphs=None,
     Args:
         device_target: "CPU" (NumPy) or "GPU" (CuPy), case-insensitive.
         device_id: the CUDA device to use on GPU (default: the current one).
-        mode: ``minidl.PYNATIVE_MODE`` (1, the default) or ``minidl.GRAPH_MODE`` (0). Both run
-            eagerly today (see docs/graph_mode.md); the results do not depend on it.
+        mode: ``minidl.PYNATIVE_MODE`` (1, the default; ``MINIDL_MODE=graph`` makes GRAPH_MODE the
+            default) or ``minidl.GRAPH_MODE`` (0): BatchNorm waits for its first use, so that a
+            following Add and ReLU run as one fused op (docs/graph_mode.md). The results do not
+            depend on the mode (to the fused kernel's stated rounding). Setting it runs what the
+            previous mode left deferred.
         save_graphs: False/0 (default), True or a level 1-3: under tensor parallelism, the first
             step of each network (and of each new input shape) writes its parallel plan, the text
             of ``minidl_parallel.explain``, into ``save_graphs_path``/rank_<r>/.
@@ -92,10 +108,18 @@ def set_context(device_target=None, device_id=None, mode=None, save_graphs=None,
         _import_cupy().cuda.Device(int(device_id)).use()
     if mode is not None:
         _settings["mode"] = mode
+        for listener in _mode_listeners:
+            listener(mode)
     if save_graphs is not None:
         _settings["save_graphs"] = int(save_graphs)
     if save_graphs_path is not None:
         _settings["save_graphs_path"] = os.fspath(save_graphs_path)
+
+
+def add_mode_listener(fn):
+    """Calls ``fn(mode)`` whenever set_context sets the mode (minidl/graph_mode.py installs its
+    hooks so: this module imports nothing of the ops it steers)."""
+    _mode_listeners.append(fn)
 
 
 def get_context(key):

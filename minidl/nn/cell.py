@@ -27,6 +27,9 @@ from collections import OrderedDict
 from ..runtime import LOCAL, get_runtime
 from ..tensor import Parameter
 
+_graph_call = None  # fn(cell, args, kwargs) while GRAPH_MODE is on (minidl/graph_mode.py), else None
+
+
 class _AutoName(str):
     """A parameter name the Cell tree derived from attribute paths (so it may be re-prefixed)."""
 
@@ -95,7 +98,9 @@ class Cell:
     def __call__(self, *args, **kwargs):
         runtime = get_runtime()  # a parallel runtime sees where a network starts and ends
         if runtime is LOCAL:
-            return self.construct(*args, **kwargs)
+            if _graph_call is None:
+                return self.construct(*args, **kwargs)
+            return _graph_call(self, args, kwargs)  # GRAPH_MODE: runs what the call left deferred
         return runtime.call_cell(self, args, kwargs)
 
     # -- registration -------------------------------------------------------------------

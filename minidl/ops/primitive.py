@@ -15,6 +15,9 @@ A faster way to compute an op on one array module lives in minidl/kernels, not h
 asks ``kernels.choose`` for each call, and a registered kernel that applies runs instead of the
 reference ``forward`` / ``backward`` written in the op's class.
 
+Under GRAPH_MODE, a local call goes to ``_graph_call`` (installed by minidl/graph_mode.py, which
+defers BatchNorm and fuses it at its ReLU); in PYNATIVE_MODE it is None, one check per call.
+
 ``shard(in_strategy, out_strategy)`` only stores the strategy here; minidl_parallel reads
 it. A call asks the active runtime (minidl/runtime.py) to run the op: the local runtime
 calls ``apply``; a parallel one may redistribute the inputs first.
@@ -32,6 +35,8 @@ import numpy
 from .. import backend, kernels
 from ..runtime import LOCAL, get_runtime
 from ..tensor import Tensor, is_grad_enabled
+
+_graph_call = None  # fn(prim, args) while GRAPH_MODE is on (minidl/graph_mode.py), else None
 
 
 class Primitive:
@@ -65,7 +70,9 @@ class Primitive:
     def __call__(self, *args):
         runtime = get_runtime()
         if runtime is LOCAL:
-            return self.apply(*args)
+            if _graph_call is None:
+                return self.apply(*args)
+            return _graph_call(self, args)
         return runtime.call_op(self, args)
 
     def apply(self, *args):

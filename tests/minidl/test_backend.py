@@ -121,3 +121,43 @@ def test_a_preferred_device_applies_only_while_nothing_fixed_the_target(fresh_de
 def test_set_context_counts_as_a_choice(fresh_device_state):
     minidl.set_context(device_target="CPU")
     assert backend.device_target_chosen() and backend.prefer_device_target("GPU") == "CPU"
+
+
+def _mode_in_fresh_process(env_value):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("MINIDL_MODE", None)
+    if env_value is not None:
+        env["MINIDL_MODE"] = env_value
+    code = ("import minidl; from minidl.ops import primitive; "
+            "print(minidl.get_context('mode'), primitive._graph_call is not None)")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("value, expected", [(None, "1 False"), ("pynative", "1 False"), ("graph", "0 True"),
+                                             ("GRAPH", "0 True")])
+def test_minidl_mode_sets_the_default_mode(value, expected):
+    out = _mode_in_fresh_process(value)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expected   # GRAPH_MODE's hooks installed with it
+
+
+def test_a_bad_minidl_mode_is_a_clear_error():
+    out = _mode_in_fresh_process("eager")
+    assert out.returncode != 0 and "MINIDL_MODE must be 'graph' or 'pynative', got 'eager'" in out.stderr
+
+
+def test_setting_the_mode_runs_what_graph_mode_left_deferred():
+    from minidl import graph_mode, ops
+    before = minidl.get_context("mode")
+    try:
+        minidl.set_context(mode=minidl.GRAPH_MODE)
+        mean = minidl.Tensor(np.zeros(2, np.float32))
+        ones = minidl.Tensor(np.ones(2, np.float32))
+        y = ops.BatchNorm(is_training=True)(minidl.Tensor(np.arange(8, dtype=np.float32).reshape(4, 2)),
+                                            ones, mean * 1, mean, ones * 1)
+        assert graph_mode.is_deferred(y)
+        minidl.set_context(mode=minidl.GRAPH_MODE)   # even to the same mode
+        assert not graph_mode.is_deferred(y)
+        np.testing.assert_allclose(mean.asnumpy(), [0.3, 0.4])   # 0.1 * the batch mean (3, 4)
+    finally:
+        minidl.set_context(mode=before)

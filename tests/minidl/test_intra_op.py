@@ -137,9 +137,19 @@ def test_forked_child_gets_its_own_pool(threads):
     assert queue.get(timeout=5) == 4 * 3 * 3 * 3 * 18  # 4 images, 3 channels out, 3x3 outputs of 18
 
 
+@pytest.fixture
+def pynative():
+    """PYNATIVE_MODE for the test: it checks BatchNorm's and ReLU's own kernels, which GRAPH_MODE
+    (MINIDL_MODE=graph) would fuse into BatchNormReLU's."""
+    mode = minidl.get_context("mode")
+    minidl.set_context(mode=minidl.PYNATIVE_MODE)
+    yield
+    minidl.set_context(mode=mode)
+
+
 @needs_local_blas
 @pytest.mark.cpu_only  # intra-op row blocks split NumPy work over host threads; a GPU has none
-def test_batchnorm_and_relu_in_row_blocks_equal_one_block(threads, options, monkeypatch, kernels_on):
+def test_batchnorm_and_relu_in_row_blocks_equal_one_block(threads, options, monkeypatch, kernels_on, pynative):
     """Every array large enough for the kernels and their blocks (thresholds 0), on 3 threads
     (7 images: blocks of 3, 2, 2) vs one block: ReLU exactly, BatchNorm to rounding (the
     per-channel sums add their blocks' partial sums)."""

@@ -1,0 +1,477 @@
+"""GRAPH_MODE (minidl/graph_mode.py): a user's separate BatchNorm, Add and ReLU run as BatchNormReLU,
+and every result (values, gradients, moving statistics, parameters after optimizer steps) equals
+PYNATIVE_MODE's. Each test runs the same code in both modes and compares; with reference bodies
+the two are bit for bit equal (the fused reference is BatchNorm's, the residual added, max(., 0)),
+with the kernels within the fused CPU kernel's stated bound.
+"""
+import contextlib
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import minidl
+from minidl import Tensor, graph_mode, kernels, nn, ops
+from minidl.ops.norm_relu import BatchNormReLU
+from minidl.runtime import Runtime
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import models_minidl  # noqa: E402  (the user-written BasicBlock and ResNet-20)
+
+MODES = (minidl.PYNATIVE_MODE, minidl.GRAPH_MODE)
+
+
+@contextlib.contextmanager
+def mode(m):
+    before = minidl.get_context("mode")
+    minidl.set_context(mode=m)
+    try:
+        yield
+    finally:
+        minidl.set_context(mode=before)
+
+
+def both(fn, *args):
+    """fn(*args) run in PYNATIVE_MODE then GRAPH_MODE, each from seed 0: (eager, graph)."""
+    out = []
+    for m in MODES:
+        with mode(m):
+            minidl.set_seed(0)
+            out.append(fn(*args))
+    return out
+
+
+def assert_same(a, b, exact=True):
+    """Nested results equal: bit for bit, or within the fused kernel's float32 bound over a few steps."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k], exact)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y, exact)
+    elif exact:
+        np.testing.assert_array_equal(a, b)
+    else:
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def node_names(t):
+    """The op classes of t's recorded graph (what ran, in the order a walk from t meets them)."""
+    names, seen, stack = [], set(), [t]
+    while stack:
+        t = stack.pop()
+        if id(t) in seen or t._node is None:
+            continue
+        seen.add(id(t))
+        names.append(type(t._node).__name__)
+        stack += [p for _, p in t._node.inputs]
+    return names
+
+
+def image(shape=(4, 3, 8, 8), seed=0):
+    return Tensor(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+
+
+def state(net):
+    return {name: p.asnumpy().copy() for name, p in net.parameters_and_names()}
+
+
+def small_resnet():
+    """The user-written ResNet-20's blocks (separate cells, ``out + identity``), small."""
+    return nn.SequentialCell([nn.Conv2d(3, 8, 3, pad_mode="pad", padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                              models_minidl.BasicBlock(8, 8), models_minidl.BasicBlock(8, 16, 2)])
+
+
+def train_custom_loop(make, steps=3):
+    net = make()
+    net.set_train(True)
+    loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+    head = nn.Dense(16, 10)
+    opt = nn.Momentum(net.trainable_params() + head.trainable_params(), learning_rate=0.1, momentum=0.9)
+
+    def forward(x, y):
+        return loss_fn(head(net(x).mean((2, 3))), y)
+    grad_fn = minidl.value_and_grad(forward, None, opt.parameters)
+    x, y = image((4, 3, 8, 8)), Tensor(np.array([1, 3, 5, 7], np.int32))
+    losses, grads = [], []
+    for _ in range(steps):
+        loss, g = grad_fn(x, y)
+        opt(g)
+        losses.append(loss.asnumpy())
+        grads.append([t.asnumpy() for t in g])
+    return losses, grads, state(net)
+
+
+@pytest.mark.parametrize("make", [lambda: models_minidl.BasicBlock(3, 16, 2), small_resnet],
+                         ids=["basic_block", "small_resnet"])
+def test_custom_loop_equals_eager_bit_for_bit_on_reference_bodies(make):
+    with kernels.reference_only():
+        eager, graph = both(train_custom_loop, make)
+    assert_same(eager, graph)
+
+
+def test_custom_loop_equals_eager_within_the_kernel_bound(kernels_on):
+    kernels.set_option("batchnorm_min_bytes", 0)  # the small activations take the CPU kernels too
+    try:
+        eager, graph = both(train_custom_loop, small_resnet)
+    finally:
+        kernels.set_option("batchnorm_min_bytes", None)
+    assert_same(eager, graph, exact=False)
+
+
+def test_the_fused_op_runs_in_graph_mode_only():
+    def forward():
+        block = models_minidl.BasicBlock(3, 8, 2)
+        block.set_train(True)
+        return node_names(block(image()))
+    eager, graph = both(forward)
+    assert "BatchNormReLU" not in eager and eager.count("BatchNorm") == 3
+    # bn1 + ReLU and bn2 + identity + ReLU fused; the down-sample BatchNorm (the residual) runs alone
+    assert graph.count("BatchNormReLU") == 2 and graph.count("BatchNorm") == 1
+    assert "Add" not in graph and "ReLU" not in graph
+
+
+@pytest.mark.cpu_only  # the fused op's CPU kernel
+def test_kernels_tracking_shows_the_fused_kernel_in_graph_mode_only(kernels_on):
+    if not any(k.backend == "numpy" for k in kernels.registered(BatchNormReLU)):
+        pytest.skip("no CPU kernel registered for BatchNormReLU")
+    kernels.set_option("batchnorm_min_bytes", 0)
+
+    def forward():
+        block = models_minidl.BasicBlock(8, 8)
+        block.set_train(True)
+        with kernels.tracking() as used:
+            block(image((4, 8, 8, 8))).sum().backward()
+        return {k.op.__name__ for k in used}
+    try:
+        eager, graph = both(forward)
+    finally:
+        kernels.set_option("batchnorm_min_bytes", None)
+    assert "BatchNormReLU" in graph and "BatchNormReLU" not in eager
+
+
+class Classifier(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.body, self.fc = small_resnet(), nn.Dense(16, 4)
+
+    def construct(self, x):
+        return self.fc(self.body(x).mean((2, 3)))
+
+
+def train_model(steps=2):
+    net = Classifier()
+    loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+    opt = nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)
+    rng = np.random.default_rng(1)
+    data = {"image": rng.standard_normal((8, 3, 8, 8)).astype(np.float32),
+            "label": rng.integers(0, 4, 8).astype(np.int32)}
+    dataset = minidl.dataset.NumpySlicesDataset(data, shuffle=False).batch(4)
+    minidl.Model(net, loss_fn, opt).train(steps, dataset)
+    return state(net)
+
+
+def test_model_train_equals_eager():
+    with kernels.reference_only():
+        eager, graph = both(train_model)
+    assert_same(eager, graph)
+
+
+def test_two_consumers_of_the_batchnorm_output():
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm2d(3)
+            self.ran = []
+
+        def construct(self, x):
+            y = self.bn(x * 2.0)
+            a = ops.relu(y)          # fused
+            self.ran.append(type(a._node).__name__)
+            return (a * 3 + y * 2).sum()   # y used again: computed without a second statistics update
+
+    def forward():
+        net = Net()
+        net.set_train(True)
+        x = image()
+        loss, (gx, gw) = minidl.value_and_grad(net, 0, net.trainable_params())(x)
+        return loss.asnumpy(), gx.asnumpy(), [g.asnumpy() for g in gw], state(net), net.ran
+    with kernels.reference_only():
+        eager, graph = both(forward)
+    # Values and statistics bit for bit; gradients to rounding: eager sums y's two gradients before
+    # one BatchNorm backward, graph mode runs the fused node's and y's own and sums their results.
+    assert_same(eager[0], graph[0])
+    assert_same(eager[3], graph[3])
+    assert_same(eager[1:3], graph[1:3], exact=False)
+    assert eager[-1] == ["ReLU"] and graph[-1] == ["BatchNormReLU"]
+
+
+def test_a_discarded_output_still_updates_the_moving_statistics():
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.bn, self.other = nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+
+        def construct(self, x):
+            _ = self.bn(x * 1.0)
+            self.other(x * 2.0)     # not even bound; nothing touches their inputs again
+            return x * 2
+    def forward():
+        net = Net()
+        net.set_train(True)
+        net(image())
+        return state(net)
+    eager, graph = both(forward)
+    assert_same(eager, graph)
+    assert not np.array_equal(graph["bn.moving_mean"], np.zeros(3))
+
+
+def test_an_output_only_returned_from_the_network_is_computed():
+    def forward():
+        bn = nn.BatchNorm2d(3)
+        bn.set_train(True)
+        out = nn.SequentialCell([nn.Conv2d(3, 3, 1), bn])(image())
+        assert not graph_mode.is_deferred(out)   # the outermost cell returned: nothing waits
+        return out.asnumpy(), state(bn)
+    assert_same(*both(forward))
+
+
+def test_moving_statistics_read_between_batchnorm_and_relu():
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.relu = nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3), nn.ReLU()
+            self.seen = []
+
+        def construct(self, x):
+            y = self.bn(self.conv(x))
+            self.seen.append(self.bn.moving_mean.asnumpy().copy())   # eager: already updated
+            return self.relu(y)
+    def forward():
+        net = Net()
+        net.set_train(True)
+        out = net(image())
+        return net.seen, out.asnumpy(), node_names(out)
+    (seen_e, out_e, _), (seen_g, out_g, names) = both(forward)
+    assert_same(seen_e, seen_g)
+    assert_same(out_e, out_g)
+    assert not np.array_equal(seen_g[0], np.zeros(3))
+    assert "BatchNormReLU" not in names   # the read computed the BatchNorm: nothing left to fuse
+
+
+def test_in_place_write_into_the_input_between_batchnorm_and_relu():
+    def forward():
+        bn = nn.BatchNorm2d(3)
+        bn.set_train(True)
+
+        class Net(nn.Cell):
+            def construct(self, x):
+                h = x * 1.0
+                y = bn(h)
+                h.data[...] = 0         # eager's y was computed before this write
+                return ops.relu(y) + h
+        return Net()(image()).asnumpy(), state(bn)
+    assert_same(*both(forward))
+
+
+def test_output_kept_across_an_optimizer_step_and_read_after():
+    def forward():
+        conv, bn, relu = nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3), nn.ReLU()
+        cells = nn.SequentialCell([conv, bn])
+        cells.set_train(True)
+        kept = {}
+
+        class Net(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.cells = cells
+
+            def construct(self, x):
+                y = cells(x)
+                kept["y"] = y           # outlives the step
+                a = relu(y)
+                kept["ran"] = type(a._node).__name__
+                return a.sum()
+        net = Net()
+        opt = nn.SGD(net.trainable_params(), learning_rate=0.5)
+        loss, grads = minidl.value_and_grad(net, None, opt.parameters)(image())
+        opt(grads)                      # gamma and beta change in place
+        return kept["y"].asnumpy(), loss.asnumpy(), state(net), kept["ran"]
+    eager, graph = both(forward)
+    assert_same(eager[:-1], graph[:-1])
+    assert eager[-1] == "ReLU" and graph[-1] == "BatchNormReLU"
+
+
+def test_inside_a_block_the_kept_output_sees_its_fusion_time_parameters():
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)
+
+        def construct(self, x):
+            y = self.bn(self.conv(x))
+            a = ops.relu(y)
+            self.bn.gamma.set_data(np.full(3, 5.0, np.float32))   # after the fusion, before y's use
+            return a + y
+
+    def forward():
+        net = Net()
+        net.set_train(True)
+        out = net(image())
+        return out.asnumpy(), node_names(out), state(net)
+    (out_e, _, st_e), (out_g, names, st_g) = both(forward)
+    assert_same(out_e, out_g)
+    assert_same(st_e, st_g)
+    assert "BatchNormReLU" in names and "BatchNorm" in names   # fused, then y computed again for "+ y"
+
+
+def test_set_train_switching_and_no_grad():
+    def forward():
+        net = small_resnet()
+        outs = []
+        for training in (True, False, True):
+            net.set_train(training)
+            outs.append(net(image()).asnumpy())
+            with minidl.no_grad():
+                out = net(image(seed=1))
+                assert out._node is None
+                outs.append(out.asnumpy())
+        net.set_train(False)
+        out = net(image())
+        outs.append(node_names(out))
+        return outs, state(net)
+    with kernels.reference_only():
+        (outs_e, state_e), (outs_g, state_g) = both(forward)
+    assert_same(outs_e[:-1], outs_g[:-1])
+    assert_same(state_e, state_g)
+    assert "BatchNormReLU" in outs_g[-1]   # inference fuses too
+
+
+def test_grad_mode_changed_in_the_window_runs_eagerly():
+    def forward():
+        bn = nn.BatchNorm2d(3)
+        bn.set_train(True)
+
+        class Net(nn.Cell):
+            def construct(self, x):
+                y = bn(x * 1.0)
+                with minidl.no_grad():
+                    return ops.relu(y)
+        x = image()
+        x.requires_grad = True
+        out = Net()(x)
+        return out.asnumpy(), out._node is None, state(bn)
+    assert_same(*both(forward))
+
+
+def test_a_non_relu_use_and_a_broadcast_residual_do_not_fuse():
+    def forward():
+        bn = nn.BatchNorm2d(3)
+        bn.set_train(True)
+
+        class Net(nn.Cell):
+            def construct(self, x):
+                a = ops.relu(bn(x * 1.0) * 2)              # Mul first: the BatchNorm runs as eager
+                b = ops.relu(bn(x * 1.0) + Tensor(np.ones((1, 3, 1, 1), np.float32)))  # broadcasts
+                c = ops.relu(bn(x * 1.0) + 1.0)            # a Python number
+                return a, b, c
+        outs = Net()(image())
+        return [o.asnumpy() for o in outs], [node_names(o) for o in outs], state(bn)
+    (vals_e, _, st_e), (vals_g, names_g, st_g) = both(forward)
+    assert_same(vals_e, vals_g)
+    assert_same(st_e, st_g)
+    for names in names_g:
+        assert "BatchNormReLU" not in names and "BatchNorm" in names
+
+
+def test_dropout_between_draws_fresh_masks_equal_to_eager():
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.drop, self.relu = nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3), nn.Dropout(p=0.5), nn.ReLU()
+
+        def construct(self, x):
+            return self.relu(self.drop(self.bn(self.conv(x))))
+
+    def forward():
+        net = Net()
+        net.set_train(True)
+        return [net(image()).asnumpy() for _ in range(3)]
+    eager, graph = both(forward)
+    assert_same(eager, graph)
+    assert not np.array_equal(graph[0] == 0, graph[1] == 0)   # a fresh mask each step
+
+
+def test_a_batchnorm_subclass_is_not_fused():
+    from minidl_parallel.sync_batchnorm import SyncBatchNorm
+
+    def forward():
+        bn = SyncBatchNorm(3)   # its op is a subclass of ops.BatchNorm (the world of one here)
+        bn.set_train(True)
+        out = nn.ReLU()(bn(image()))
+        return out.asnumpy(), node_names(out), state(bn)
+    (out_e, _, st_e), (out_g, names, st_g) = both(forward)
+    assert_same(out_e, out_g)
+    assert_same(st_e, st_g)
+    assert "BatchNormReLU" not in names and "SyncBatchNormOp" in names
+
+
+def test_a_parallel_runtime_is_not_deferred():
+    class Counting(Runtime):
+        calls = 0
+
+        def call_op(self, prim, args):
+            Counting.calls += 1
+            return prim.apply(*args)
+
+    def forward():
+        block = models_minidl.BasicBlock(3, 8, 2)
+        block.set_train(True)
+        with Counting():
+            out = block(image())
+        return out.asnumpy(), node_names(out), state(block)
+    (out_e, _, st_e), (out_g, names, st_g) = both(forward)
+    assert_same(out_e, out_g)
+    assert_same(st_e, st_g)
+    assert "BatchNormReLU" not in names
+
+
+def test_errors_come_at_the_call_with_eager_messages():
+    x = image()
+    bn_op = ops.BatchNorm(is_training=True)
+    ones, zeros = Tensor(np.ones(4, np.float32)), Tensor(np.zeros(4, np.float32))
+    messages = []
+    for m in MODES:
+        with mode(m):
+            with pytest.raises(ValueError) as err:
+                bn_op(x, ones, zeros, zeros, ones)      # 4 channels of parameters for 3 of x
+            messages.append(str(err.value))
+            with pytest.raises(ValueError, match="more than 1 value per channel"):
+                ops.BatchNorm(is_training=True)(image((1, 3, 1, 1)), *(Tensor(np.ones(3, np.float32)),) * 4)
+    assert messages[0] == messages[1] and "one per channel" in messages[0]
+
+
+def test_top_level_ops_wait_until_use_or_a_mode_change():
+    with mode(minidl.GRAPH_MODE):
+        mean, var = Tensor(np.zeros(3, np.float32)), Tensor(np.ones(3, np.float32))
+        y = ops.BatchNorm(is_training=True)(image(), Tensor(np.ones(3, np.float32)),
+                                            Tensor(np.zeros(3, np.float32)), mean, var)
+        assert graph_mode.is_deferred(y) and y.shape == (4, 3, 8, 8) and y.dtype == np.float32
+        assert graph_mode.is_deferred(y)    # shape and dtype are known without running
+        minidl.set_context(mode=minidl.PYNATIVE_MODE)
+        assert not graph_mode.is_deferred(y)
+        assert not np.array_equal(mean.asnumpy(), np.zeros(3))
+    assert type(mean) is Tensor and type(y) is Tensor   # watches removed, classes restored
+
+
+def test_pynative_mode_installs_no_hook():
+    from minidl import autograd
+    from minidl.nn import cell
+    from minidl.ops import primitive
+    with mode(minidl.PYNATIVE_MODE):
+        assert primitive._graph_call is None and cell._graph_call is None and autograd._graph_flush is None
+    with mode(minidl.GRAPH_MODE):
+        assert primitive._graph_call is not None and cell._graph_call is not None

@@ -14,7 +14,7 @@ Which library (the ``blas`` option):
   the intra-op threads, one GEMM per thread, as they do OpenBLAS. On the conv kernels' GEMM
   shapes (16-64 output channels, a few thousand columns) it measured 1.2-1.5x OpenBLAS's speed
   on one core (benchmarks/bench_gemm.py --direct). NumPy's own matmul stays on OpenBLAS.
-- None (default): MKL when it is installed, else OpenBLAS.
+- None: MKL when it is installed, else OpenBLAS. The default is ``$MINIDL_BLAS`` when set.
 Without either (a NumPy on another BLAS) :func:`available` is false and kernels take their
 other routes. :func:`library` says which is in use.
 """
@@ -30,8 +30,9 @@ from .. import declare_option, get_option
 
 __all__ = ["available", "library", "gemm", "matmul", "address"]
 
-declare_option("blas", None, "the BLAS the CPU kernels call directly: 'mkl', 'openblas' (NumPy's), or None: "
-               "MKL when installed (pip install 'minidl[mkl]'), else NumPy's OpenBLAS")
+declare_option("blas", os.environ.get("MINIDL_BLAS") or None,
+               "the BLAS the CPU kernels call directly: 'mkl', 'openblas' (NumPy's), or None: MKL when "
+               "installed (pip install 'minidl[mkl]'), else NumPy's OpenBLAS; default: $MINIDL_BLAS")
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _MKL_SEQUENTIAL = 1  # MKL_Set_Threading_Layer's MKL_THREADING_SEQUENTIAL

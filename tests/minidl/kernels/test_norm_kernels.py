@@ -8,6 +8,7 @@ import pytest
 from hypothesis import assume, given, strategies as st
 
 from minidl import kernels, ops, Tensor
+from minidl.kernels.cpu import norm as norm_kernels
 from minidl.kernels.cpu.norm import BatchNormBlocked, BatchNormReLUBlocked
 from minidl.testing import check_op
 from minidl.testing.gradcheck import check_kernels
@@ -31,7 +32,7 @@ def settings(**values):
 
 
 # Every input takes a kernel, one image per block, the blocks on every intra-op thread.
-SMALL_BLOCKS = dict(batchnorm_min_bytes=0, batchnorm_relu_block_bytes=1, batchnorm_parallel_bytes=0)
+SMALL_BLOCKS = dict(batchnorm_min_bytes=0, batchnorm_block_bytes=1, batchnorm_parallel_bytes=0)
 
 
 def np_pre_activation(x, scale, bias, mean, var, training, eps, residual=None):
@@ -104,7 +105,7 @@ def test_fused_kernel_matches_the_separate_kernels(training, with_residual):
         grads = [tx.grad, ts.grad, tb.grad] + ([tr.grad] if with_residual else [])
         return [y.asnumpy()] + [g.asnumpy() for g in grads] + [mean.asnumpy(), var.asnumpy()]
 
-    with settings(batchnorm_min_bytes=0, batchnorm_relu_block_bytes=4096, batchnorm_parallel_bytes=0):
+    with settings(batchnorm_min_bytes=0, batchnorm_block_bytes=4096, batchnorm_parallel_bytes=0):
         with kernels.tracking() as used:
             fused = run(True)
         assert "BatchNormReLUBlocked" in {k.name for k in used}
@@ -116,21 +117,79 @@ def test_fused_kernel_matches_the_separate_kernels(training, with_residual):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=atol * max(1.0, float(np.abs(b).max())), err_msg=name)
 
 
-def test_float32_statistics_of_a_large_offset():
-    """Mean 1000, deviation 1: E[x^2] - E[x]^2 in float32 would lose the variance to rounding;
-    every block is centred on its own."""
-    rng = np.random.default_rng(1)
-    x = (1000.0 + rng.standard_normal((32, 4, 8, 8))).astype(np.float32)
-    ones, zeros = np.ones(4, np.float32), np.zeros(4, np.float32)
-    mean, var = Tensor(zeros.copy()), Tensor(ones.copy())
-    with settings(batchnorm_min_bytes=0, batchnorm_relu_block_bytes=2048), kernels.tracking() as used:
-        y = ops.BatchNormReLU(True, 1e-5, 1.0)(Tensor(x), Tensor(ones), Tensor(zeros), mean, var).asnumpy()
-    assert "BatchNormReLUBlocked" in {k.name for k in used}
-    x64 = x.astype(np.float64)
-    np.testing.assert_allclose(y, np.maximum(np_pre_activation(x64, ones, zeros, None, None, True, 1e-5), 0),
-                               atol=2e-3)
-    np.testing.assert_allclose(mean.asnumpy(), x64.mean(axis=(0, 2, 3)), rtol=1e-6)
-    np.testing.assert_allclose(var.asnumpy(), x64.var(axis=(0, 2, 3), ddof=1), rtol=1e-3)
+def run_float32_and_float64(op, x, data_format="NCHW", **options):
+    """Training ``op`` (ops.BatchNorm or ops.BatchNormReLU) on float32 x through its kernel, and the
+    reference body on the same values in float64: two lists [y, gx, gscale, gbias, running mean,
+    running variance], and the kernels that ran."""
+    axis = 1 if data_format == "NCHW" else x.ndim - 1
+    c = x.shape[axis]
+    rng = np.random.default_rng(7)
+    gy = rng.standard_normal(x.shape)
+    scale, bias = rng.uniform(0.5, 2.0, c), rng.standard_normal(c)
+
+    def run(dtype):
+        tx, ts, tb = (Tensor(a.astype(dtype), requires_grad=True) for a in (x, scale, bias))
+        mean, var = Tensor(np.zeros(c, dtype)), Tensor(np.ones(c, dtype))
+        prim = ops.BatchNorm(True, 1e-5, 1.0, data_format) if op is ops.BatchNorm else op(True, 1e-5, 1.0)
+        y = prim(tx, ts, tb, mean, var)
+        y.backward(Tensor(gy.astype(dtype)))
+        return [a.asnumpy().astype(np.float64) for a in (y, tx.grad, ts.grad, tb.grad, mean, var)]
+
+    with settings(batchnorm_min_bytes=0, **options), kernels.tracking() as used:
+        got = run(np.float32)
+    with kernels.reference_only():
+        want = run(np.float64)
+    return got, want, {k.name for k in used}
+
+
+def max_error(got, want):
+    return float(np.max(np.abs(got - want)) / max(1.0, float(np.max(np.abs(want)))))
+
+
+@pytest.mark.parametrize("op", [ops.BatchNorm, ops.BatchNormReLU])
+def test_float32_statistics_of_a_large_offset(op):
+    """Mean 1000, deviation 1: E[x^2] - E[x]^2 in float32 would lose the variance to rounding; the
+    kernels' shifted sums keep it to float32 accuracy, and the outputs and gradients to the size of
+    x's own rounding (eps * 1000 / 1)."""
+    x = (1000.0 + np.random.default_rng(1).standard_normal((32, 4, 8, 8))).astype(np.float32)
+    got, want, used = run_float32_and_float64(op, x, batchnorm_block_bytes=2048)
+    assert used == {op.__name__ + "Blocked"}
+    for name, a, b in zip(["y", "gx", "gscale", "gbias"], got, want):
+        assert max_error(a, b) < 2e-3 * 2e-2, name  # 6e-5 * 1000 relative to values of ~1-10
+    np.testing.assert_allclose(got[4], want[4], rtol=1e-6, err_msg="running mean")
+    np.testing.assert_allclose(got[5], want[5], rtol=1e-5, err_msg="running variance")
+
+
+@pytest.mark.parametrize("offset, passes", [(1.0, 1), (2.4, 1), (3.0, 2), (1000.0, 2)])
+@pytest.mark.parametrize("shape, data_format", [((64, 16, 16, 16), "NCHW"), ((64, 8, 8, 16), "NHWC"),
+                                                ((4096, 16), "NCHW")])
+def test_a_channel_far_from_zero_is_summed_again_about_its_mean(monkeypatch, offset, passes, shape, data_format):
+    """Sums of x and x^2 serve while mean^2 + var <= 8 var (offset 2.4, deviation 1: 6.8); beyond
+    (3: 10), x is summed again about the mean found. Either way the statistics and every output
+    are as close to float64 as the reference body's."""
+    x = (offset + np.random.default_rng(3).standard_normal(shape)).astype(np.float32)
+    calls = []
+    real = norm_kernels._moments
+    # A spy that only counts (it changes nothing): how many passes the statistics took.
+    monkeypatch.setattr(norm_kernels, "_moments", lambda *a: calls.append(1) or real(*a))
+    got, want, used = run_float32_and_float64(ops.BatchNorm, x, data_format)
+    assert used == {"BatchNormBlocked"} and len(calls) == passes
+    with kernels.reference_only():
+        ref, _, _ = run_float32_and_float64(ops.BatchNorm, x, data_format)
+    for name, a, r, b in zip(["y", "gx", "gscale", "gbias", "mean", "variance"], got, ref, want):
+        assert max_error(a, b) <= 2 * max_error(r, b) + 2e-7, name
+
+
+def test_channels_last_is_as_close_to_float64_as_the_reference():
+    """NHWC (the channels-last route, which (N, C) inputs take too) in float32: the kernel's error
+    against float64 no larger than the reference body's own (within a factor 2)."""
+    x = np.random.default_rng(4).normal(1.0, 2.0, (64, 8, 8, 32)).astype(np.float32)
+    got, want, used = run_float32_and_float64(ops.BatchNorm, x, "NHWC")
+    assert used == {"BatchNormBlocked"}
+    with kernels.reference_only():
+        ref, _, _ = run_float32_and_float64(ops.BatchNorm, x, "NHWC")
+    for name, a, r, b in zip(["y", "gx", "gscale", "gbias", "mean", "variance"], got, ref, want):
+        assert max_error(a, b) <= 2 * max_error(r, b) + 1e-7, name
 
 
 class _TwoCopies(ops.BatchNorm):

@@ -29,6 +29,7 @@ turns that into one that names the op, which inputs are where, and the fix
 """
 import functools
 import inspect
+import weakref
 
 import numpy
 
@@ -110,7 +111,10 @@ class Primitive:
                 node.needs_grad = needs
                 node.inputs = inputs
                 if kernel is not None:  # the instance attribute shadows the class's backward for this call
-                    node.backward = functools.partial(kernel.backward, node)
+                    # The node is held weakly: node -> its backward -> node would be a reference cycle,
+                    # keeping a graph never backpropagated (and its saved arrays) until the garbage
+                    # collector ran. Whoever calls the backward holds the node.
+                    node.backward = functools.partial(_kernel_backward, kernel, weakref.ref(node))
                 return Tensor._wrap(out, node)
         return Tensor._wrap(out)
 
@@ -126,6 +130,10 @@ class Primitive:
         body = ", ".join(f"{k}={v!r}" for k, v in attrs.items())
         strategy = f".shard({self.in_strategy})" if self.in_strategy is not None else ""
         return f"{self.name}({body}){strategy}"
+
+
+def _kernel_backward(kernel, node_ref, gy):
+    return kernel.backward(node_ref(), gy)
 
 
 def _raised_by_minidl(exc):

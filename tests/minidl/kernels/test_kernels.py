@@ -68,3 +68,25 @@ def test_register_refuses_a_kernel_without_an_op():
         pass
     with pytest.raises(ValueError, match="Broken must set op"):
         kernels.register(Broken)
+
+
+@pytest.mark.cpu_only  # ReLU's kernel is a NumPy one
+def test_a_kernel_node_never_backpropagated_is_freed_without_the_garbage_collector():
+    # The kernel's backward is bound to its node weakly: no node -> backward -> node cycle keeping
+    # a forward's saved arrays alive until a collection.
+    import gc
+    import weakref
+    x = Tensor(np.random.default_rng(0).standard_normal((2, 8, 32, 32)).astype(np.float32), requires_grad=True)
+    gc.disable()
+    try:
+        with kernels.tracking() as used:
+            y = ops.ReLU()(x)
+        assert used, "no kernel ran: the test needs one"
+        node = weakref.ref(y._node)
+        del y
+        assert node() is None
+    finally:
+        gc.enable()
+    y = ops.ReLU()(x)
+    y.sum().backward()
+    np.testing.assert_array_equal(x.grad.asnumpy(), (x.asnumpy() > 0).astype(np.float32))

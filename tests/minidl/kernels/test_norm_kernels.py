@@ -31,6 +31,15 @@ def settings(**values):
             kernels.set_option(name, value)
 
 
+@pytest.fixture(autouse=True, params=[False, True] if norm_kernels.norm_loops.available else [False],
+                ids=lambda compiled: "numba" if compiled else "numpy")
+def pass_bodies(request):
+    """Every test on both bodies of the passes: NumPy calls per block, and the loops Numba compiles
+    (norm_loops.py; only where the numba extra is installed)."""
+    with settings(batchnorm_numba=request.param):
+        yield request.param
+
+
 # Every input takes a kernel, one image per block, the blocks on every intra-op thread.
 SMALL_BLOCKS = dict(batchnorm_min_bytes=0, batchnorm_block_bytes=1, batchnorm_parallel_bytes=0)
 

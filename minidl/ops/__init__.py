@@ -19,6 +19,7 @@ from .layer_norm import *  # noqa: F401,F403
 from .norm_relu import *  # noqa: F401,F403
 from .dropouts import *  # noqa: F401,F403
 from .manipulation import *  # noqa: F401,F403
+from .updates import *  # noqa: F401,F403
 from . import tensor_methods as _tensor_methods
 from . import manipulation as _manipulation
 

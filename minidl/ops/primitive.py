@@ -45,6 +45,7 @@ class Primitive:
 
     n_inputs = 1  # positional arguments (tensors and attributes alike): an int, or (min, max)
     n_tensor_inputs = None  # how many of them are tensors a strategy describes (default n_inputs)
+    differentiable = True  # False: never recorded for backward (in-place updates such as ApplyMomentum)
 
     def __init__(self):
         self.in_strategy = None
@@ -102,7 +103,7 @@ class Primitive:
         if isinstance(out, numpy.generic):
             out = numpy.asarray(out)  # 0-d numpy arithmetic returns scalars; tensors hold arrays
         # Integer and bool outputs (comparisons, argmax-like ops) carry no gradient.
-        if is_grad_enabled() and out.dtype.kind in "fc":
+        if is_grad_enabled() and out.dtype.kind in "fc" and self.differentiable:
             inputs = tuple((i, a) for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad)
             if inputs:
                 needs = [False] * len(args)

@@ -1,7 +1,7 @@
 """Momentum SGD as MindSpore's nn.Momentum (the ApplyMomentum rule)."""
 import numbers
 
-from ..backend import get_array_module
+from ..ops.updates import ApplyMomentum
 from .optimizer import Optimizer
 
 __all__ = ["Momentum"]
@@ -38,17 +38,8 @@ class Momentum(Optimizer):
         self.momentum = float(momentum)
         self.use_nesterov = use_nesterov
         self._moments = [self._new_buffer("moments", i) for i in range(len(self.parameters))]
+        self._apply_momentum = ApplyMomentum(use_nesterov=use_nesterov)
 
     def _update(self, i, w, g, lr):
-        xp = get_array_module(w)
-        v = self._moments[i].data
-        s = self._scratch(w, 1)
-        v *= self.momentum
-        v += g
-        if self.use_nesterov:
-            xp.multiply(v, self.momentum, out=s)
-            s += g
-            s *= lr
-        else:
-            xp.multiply(v, lr, out=s)
-        w -= s
+        # ops.ApplyMomentum, as MindSpore's nn.Momentum: its kernel makes the update one pass.
+        self._apply_momentum.apply(w, self._moments[i].data, lr, g, self.momentum)

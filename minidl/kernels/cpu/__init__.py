@@ -2,3 +2,4 @@
 from . import conv  # noqa: F401  (registration)
 from . import elementwise  # noqa: F401  (registration)
 from . import norm  # noqa: F401  (registration)
+from . import updates  # noqa: F401  (registration)

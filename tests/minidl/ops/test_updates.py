@@ -1,0 +1,39 @@
+"""ops.ApplyMomentum (MindSpore's primitive, nn.Momentum's update): the rule, in place, and never
+recorded for backward. Its compiled kernel is held to this reference bit for bit by
+tests/minidl/kernels/test_kernels.py (the kernel's cases)."""
+import numpy as np
+import pytest
+
+from minidl import ops, Tensor
+
+
+def rule(w, v, lr, g, m, nesterov, scale=1.0):
+    g = g * scale
+    v = m * v + g
+    return (w - lr * (g + m * v) if nesterov else w - lr * v), v
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_the_rule_in_place(nesterov, scale):
+    rng = np.random.default_rng(0)
+    w, v, g = (rng.standard_normal((5, 3)) for _ in range(3))
+    want_w, want_v = rule(w, v, 0.1, g, 0.9, nesterov, scale)
+    w_arr, v_arr = w.copy(), v.copy()
+    out = ops.ApplyMomentum(use_nesterov=nesterov, gradient_scale=scale)(w_arr, v_arr, 0.1, g, 0.9)
+    np.testing.assert_allclose(w_arr, want_w, rtol=1e-12)
+    np.testing.assert_allclose(v_arr, want_v, rtol=1e-12)
+    assert out.data is w_arr  # the variable itself, updated
+
+
+def test_tensors_that_require_grad_record_nothing():
+    w = Tensor(np.ones(4, np.float32), requires_grad=True)
+    v = Tensor(np.zeros(4, np.float32))
+    out = ops.ApplyMomentum()(w, v, 0.5, Tensor(np.ones(4, np.float32)), 0.9)
+    assert out._node is None
+    np.testing.assert_array_equal(w.asnumpy(), np.full(4, 0.5, np.float32))
+
+
+def test_mismatched_shapes_are_named():
+    with pytest.raises(ValueError, match=r"ApplyMomentum: variable \(4,\), accumulation \(4,\) and gradient \(3,\)"):
+        ops.ApplyMomentum()(np.ones(4), np.zeros(4), 0.1, np.ones(3), 0.9)

@@ -28,7 +28,7 @@ import numpy
 from ... import _intra_op as intra_op
 from .. import declare_option, get_option
 
-__all__ = ["available", "library", "gemm", "matmul", "address"]
+__all__ = ["available", "library", "gemm", "gemm_for", "matmul", "address"]
 
 declare_option("blas", os.environ.get("MINIDL_BLAS") or None,
                "the BLAS the CPU kernels call directly: 'mkl', 'openblas' (NumPy's), or None: MKL when "
@@ -118,8 +118,17 @@ def gemm(dtype, m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, trans_b=False):
     """``C = A @ B + beta * C`` (``A @ B.T`` with trans_b) on row-major operands given by address:
     A (m, k) with row stride lda, B (k, n) or, with trans_b, (n, k), stride ldb, C (m, n), stride ldc,
     all in elements of ``dtype``. The caller keeps the arrays alive and in bounds."""
-    _functions()[numpy.dtype(dtype).char](_ROW_MAJOR, _NO_TRANS, _TRANS if trans_b else _NO_TRANS,
-                                         m, n, k, 1.0, a, lda, b, ldb, beta, c, ldc)
+    gemm_for(dtype)(m, n, k, a, lda, b, ldb, c, ldc, beta, trans_b)
+
+
+def gemm_for(dtype):
+    """:func:`gemm` for one dtype, without its first argument, the library looked up once: a
+    kernel's loop of many small GEMMs calls it."""
+    fn = _functions()[numpy.dtype(dtype).char]
+
+    def gemm_dtype(m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, trans_b=False):
+        fn(_ROW_MAJOR, _NO_TRANS, _TRANS if trans_b else _NO_TRANS, m, n, k, 1.0, a, lda, b, ldb, beta, c, ldc)
+    return gemm_dtype
 
 
 def _rows(a):

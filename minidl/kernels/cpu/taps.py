@@ -129,7 +129,7 @@ def tap_correlate(x, w, taps, times=None, forward=True):
     ct = 0 if times is None else times.shape[1]
     chunks, threads = taps.chunking(dtype, c * len(taps.phases) + (o if forward else 0) + ct)
     nb = max(n1 - n0 for n0, n1 in chunks)
-    gemm = blas.gemm
+    gemm = blas.gemm_for(dtype)
 
     def run(t):
         # Zeroed once: padding positions are never written, so they stay zero in every chunk.
@@ -149,14 +149,14 @@ def tap_correlate(x, w, taps, times=None, forward=True):
             m = k * taps.block
             taps.fill(x_in, x, n0, n1)
             for tap, start in enumerate(starts if forward else ()):
-                gemm(dtype, o, m, c, w_addr + tap * w_step, c, start, x_ld, out_addr, out_ld,
+                gemm(o, m, c, w_addr + tap * w_step, c, start, x_ld, out_addr, out_ld,
                      beta=0.0 if tap == 0 else 1.0)
             if forward:
                 y[n0:n1] = taps.output_view(out, k).transpose(1, 0, 2, 3)
             if times is not None:
                 taps.output_view(tbuf, k)[...] = times[n0:n1].transpose(1, 0, 2, 3)
                 for tap, start in enumerate(starts):
-                    gemm(dtype, ct, c, m, t_addr, out_ld, start, x_ld, acc_addr + tap * ct * c * it, c,
+                    gemm(ct, c, m, t_addr, out_ld, start, x_ld, acc_addr + tap * ct * c * it, c,
                          beta=1.0, trans_b=True)
         return acc
 
@@ -180,7 +180,7 @@ def tap_input_gradient(gy, w, taps):
     gx = numpy.zeros((n, c, taps.h, taps.w), dtype=dtype)  # zeros: phases may not cover every x position
     chunks, threads = taps.chunking(dtype, c * len(taps.phases) + o)
     nb = max(n1 - n0 for n0, n1 in chunks)
-    gemm = blas.gemm
+    gemm = blas.gemm_for(dtype)
 
     def run(t):
         gbuf, g_ld, g_views = taps.input_buffer(c, nb, dtype)
@@ -194,7 +194,7 @@ def tap_input_gradient(gy, w, taps):
             taps.output_view(gybuf, k)[...] = gy[n0:n1].transpose(1, 0, 2, 3)
             gbuf.fill(0)
             for tap, start in enumerate(starts):
-                gemm(dtype, c, m, o, w_addr + tap * w_step, o, gy_addr, gy_ld, start, g_ld, beta=1.0)
+                gemm(c, m, o, w_addr + tap * w_step, o, gy_addr, gy_ld, start, g_ld, beta=1.0)
             for view, (_, (rows, cols)) in zip(g_views, taps.phases):
                 gx[n0:n1, :, rows, cols] = view[:, :k].transpose(1, 0, 2, 3)
 

@@ -42,4 +42,4 @@ class Momentum(Optimizer):
 
     def _update(self, i, w, g, lr):
         # ops.ApplyMomentum, as MindSpore's nn.Momentum: its kernel makes the update one pass.
-        self._apply_momentum.apply(w, self._moments[i].data, lr, g, self.momentum)
+        self._apply_momentum.apply(w, self._moments[i].data, lr, g, self.momentum, self._scratch(w, 1))

@@ -43,16 +43,16 @@ def _momentum(w, v, g, lr, m, nesterov):
 @register
 class ApplyMomentumLoop(Kernel):
     op, backend = ApplyMomentum, "numpy"
-    available = importlib.util.find_spec("numba") is not None
+    available = importlib.util.find_spec("numba") is not None  # else the reference runs (the tests skip its cases)
 
-    def applies(self, node, variable, accumulation, learning_rate, gradient, momentum):
+    def applies(self, node, variable, accumulation, learning_rate, gradient, momentum, scratch=None):
         arrays = (variable, accumulation, gradient)
         return (self.available and node.gradient_scale == 1.0
                 and all(isinstance(a, numpy.ndarray) and a.flags.c_contiguous for a in arrays)
                 and variable.dtype == accumulation.dtype == gradient.dtype and variable.dtype.char in "fd"
                 and variable.shape == accumulation.shape == gradient.shape)
 
-    def forward(self, node, variable, accumulation, learning_rate, gradient, momentum):
+    def forward(self, node, variable, accumulation, learning_rate, gradient, momentum, scratch=None):
         scalar = variable.dtype.type  # NumPy takes a Python number as the arrays' dtype (NEP 50)
         _loop()(variable.reshape(-1), accumulation.reshape(-1), gradient.reshape(-1), scalar(learning_rate),
                 scalar(momentum), node.use_nesterov)

@@ -4,7 +4,7 @@ tests/minidl/kernels/test_kernels.py (the kernel's cases)."""
 import numpy as np
 import pytest
 
-from minidl import ops, Tensor
+from minidl import kernels, ops, Tensor
 
 
 def rule(w, v, lr, g, m, nesterov, scale=1.0):
@@ -37,3 +37,17 @@ def test_tensors_that_require_grad_record_nothing():
 def test_mismatched_shapes_are_named():
     with pytest.raises(ValueError, match=r"ApplyMomentum: variable \(4,\), accumulation \(4,\) and gradient \(3,\)"):
         ops.ApplyMomentum()(np.ones(4), np.zeros(4), 0.1, np.ones(3), 0.9)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_a_scratch_buffer_changes_nothing_but_where_the_step_is_computed(nesterov):
+    rng = np.random.default_rng(1)
+    w, v, g = (rng.standard_normal((6, 4)).astype(np.float32) for _ in range(3))
+    plain = [w.copy(), v.copy()]
+    with_scratch = [w.copy(), v.copy()]
+    scratch = np.empty_like(w)
+    with kernels.reference_only():
+        ops.ApplyMomentum(use_nesterov=nesterov)(*plain[:2], 0.1, g, 0.9)
+        ops.ApplyMomentum(use_nesterov=nesterov)(*with_scratch[:2], 0.1, g, 0.9, scratch)
+    for a, b in zip(plain, with_scratch):
+        np.testing.assert_array_equal(a, b)

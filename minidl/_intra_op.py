@@ -240,6 +240,14 @@ def parallel_map(fn, n):
     return results
 
 
+def sum_in_order(parts):
+    """The threads' partial sums (arrays from parallel_map) added into the first, in thread order,
+    so that a result never depends on which thread finished first."""
+    for part in parts[1:]:
+        parts[0] += part
+    return parts[0]
+
+
 def split(n_items, max_per_chunk, threads):
     """Chunks (start, stop) of at most max_per_chunk items, a multiple of ``threads`` of them
     where there are enough items, their sizes differing by at most one."""

@@ -148,6 +148,9 @@ def check_kernels(fn, inputs, dtype=np.float64):
         fast = _forward_backward(fn, inputs, dtype)
     if not used:
         return used
+    if fast[0].dtype.kind == "f" and all(g is None for g in fast[1]) and any(k.op.differentiable for k in used):
+        raise AssertionError(f"kernels {', '.join(sorted(k.name for k in used))}: a differentiable op's float output "
+                             "was not recorded for backward")
     with kernels.reference_only():
         ref = _forward_backward(fn, inputs, dtype)
     bounds = [b for b in (k.bound_for(np.dtype(dtype)) for k in used) if b is not None]

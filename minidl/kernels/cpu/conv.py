@@ -180,9 +180,7 @@ class Conv2DRoutes(_Chunked):
         parts = intra_op.parallel_map(run, threads)
         gw = None
         if need_w:
-            for part in parts[1:]:
-                parts[0] += part
-            gw = parts[0].swapaxes(-1, -2).reshape(w.shape)
+            gw = intra_op.sum_in_order(parts).swapaxes(-1, -2).reshape(w.shape)
         return gx, gw
 
     def _grads_by_correlation(self, node, xp, gy, need_w):

@@ -271,9 +271,7 @@ def _correlate(xp, x, w, win, group, times=None):
     accs = intra_op.parallel_map(run, threads)
     if times is None:
         return y
-    for a in accs[1:]:
-        accs[0] += a
-    return y, accs[0]
+    return y, intra_op.sum_in_order(accs)
 
 
 class _Phases:

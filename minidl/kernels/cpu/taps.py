@@ -163,9 +163,8 @@ def tap_correlate(x, w, taps, times=None, forward=True):
     accs = intra_op.parallel_map(run, threads)
     if times is None:
         return y
-    for a in accs[1:]:
-        accs[0] += a
-    return (y, accs[0]) if forward else accs[0]
+    acc = intra_op.sum_in_order(accs)
+    return (y, acc) if forward else acc
 
 
 def tap_input_gradient(gy, w, taps):

@@ -9,7 +9,7 @@ at pitch m and once at the pitch the conv kernels use (``im2col._row_pitch``: an
 64 bytes). A pitch that is a multiple of a large power of two maps the rows BLAS packs
 together onto the same cache sets. With ``--direct``, the padded-pitch GEMM again through the
 direct BLAS calls of the conv kernels (minidl/kernels/cpu/blas.py), in NumPy's OpenBLAS and, where
-the mkl extra is installed, in MKL (sequential). Prints the best-of-30 quarter-percentile GFLOP/s.
+the mkl extra is installed, in MKL (one thread per call). Prints the best-of-30 quarter-percentile GFLOP/s.
 """
 import os
 import sys
@@ -44,7 +44,7 @@ def gflops(w, col, out, reps=30, library=None):
 
 def main():
     direct = "--direct" in sys.argv[1:]
-    libraries = [name for name in ("openblas", "mkl") if direct and blas._load(name)]
+    libraries = [name for name in ("openblas", "mkl") if direct and blas.load(name)]
     if direct and "mkl" not in libraries:
         print("(MKL not installed: pip install 'minidl[mkl]')")
     rng = np.random.default_rng(0)

@@ -1,12 +1,13 @@
-"""A paired A/B of whole ResNet-20 training steps: minidl as it is against one of its speed-ups undone.
+"""A paired A/B of whole training steps (ResNet-20 by default): minidl as it is against one of its speed-ups undone.
 
     python benchmarks/bench_step_ab.py --change bn-relu      # fused BatchNormReLU vs BN, Add, ReLU
     python benchmarks/bench_step_ab.py --change none --threads 1 --steps 30   # A against A
     python benchmarks/bench_step_ab.py --option conv_cache_bytes=1048576   # any kernels option (minidl.kernels)
     python benchmarks/bench_step_ab.py --env MINIDL_MALLOC_TUNING=1 --model mlp --rounds 8   # a process-wide setting
 
-One ResNet-20 trains, its steps alternating between A (minidl as it is) and B (the change
-undone for that step), in the order A, B, B, A, ... Alternating single steps pairs the
+One ``--model`` (default: the project's ResNet-20) trains in ``--mode``, its steps alternating
+between A (minidl as it is) and B (the change undone for that step), in the order A, B, B,
+A, ... Alternating single steps pairs the
 variants in time, so a neighbour that slows the machine for a while slows both: on a
 shared host that is the only comparison of whole steps that is stable from run to run (a
 microbenchmark on data already in cache overstates gains; separate runs measure the
@@ -21,6 +22,8 @@ attribute set, to try a setting before making it the default. Changes (what "und
     none        nothing: an A/A run, whose ratio shows the harness's own spread
     bn-relu     BatchNorm2d.with_relu as BatchNorm, Add and ReLU, three ops (ops/norm_relu.py)
     taps        stride-1 convolutions by im2col and one GEMM per chunk, not by tap GEMMs (kernels/cpu/taps.py)
+    dense       under --mode graph, a Dense layer's MatMul, BiasAdd and ReLU as three ops, not as
+                Dense / DenseReLU (minidl/graph_mode.py; use --model mlp)
 
 ``--env NAME=VALUE`` (repeatable) is for settings that hold for a whole process (the malloc
 tuning of minidl/_allocator.py): they cannot alternate step by step, so A and B run in
@@ -43,7 +46,7 @@ import subprocess
 import sys
 import time
 
-CHANGES = ("none", "bn-relu", "taps")
+CHANGES = ("none", "bn-relu", "taps", "dense")
 
 
 def parse_args():
@@ -56,7 +59,9 @@ def parse_args():
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="run B in its own processes with this environment variable; repeatable")
     p.add_argument("--model", default="resnet20", choices=["resnet20", "resnet20_user", "mlp"],
-                   help="with --env: the model each process trains (as in bench_train.py)")
+                   help="the model trained (benchmarks/models_minidl.py, as in bench_train.py)")
+    p.add_argument("--mode", choices=["pynative", "graph"], default="pynative",
+                   help="minidl's execution mode in the paired run: set_context(mode=PYNATIVE_MODE or GRAPH_MODE)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=6, help="with --env: pairs of A and B processes")
     p.add_argument("--batch", type=int, default=64)
@@ -138,7 +143,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import minidl  # noqa: E402
 from minidl import nn, ops, Tensor  # noqa: E402
-from minidl.models import resnet20  # noqa: E402
+from minidl import graph_mode  # noqa: E402
 from minidl.kernels.cpu.taps import Taps  # noqa: E402
 
 
@@ -171,6 +176,8 @@ def settings_of_b():
         out.append((nn.BatchNorm2d, "with_relu", separate_ops))
     if args.change == "taps":
         out.append((Taps, "fits", staticmethod(lambda *arrays: False)))
+    if args.change == "dense":
+        out.append((graph_mode, "_matmul", lambda prim, arrays: prim.apply(*arrays)))
     return out
 
 
@@ -194,15 +201,14 @@ def settings(changes):
 
 
 def main():
-    minidl.set_seed(0)
-    net = resnet20()
-    net.set_train(True)
-    loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
-    opt = nn.Momentum(net.trainable_params(), learning_rate=0.01, momentum=0.9)
-    grad_fn = minidl.value_and_grad(lambda x, y: loss_fn(net(x), y), None, opt.parameters)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import models_minidl
+    minidl.set_context(mode=minidl.GRAPH_MODE if args.mode == "graph" else minidl.PYNATIVE_MODE)
+    step = models_minidl.step_fn(args.model)
+    shape, batch = ((784,), 256) if args.model == "mlp" else ((3, 32, 32), args.batch)
     rng = np.random.default_rng(0)
-    x = Tensor(rng.standard_normal((args.batch, 3, 32, 32)).astype(np.float32))
-    y = Tensor(rng.integers(0, 10, args.batch).astype(np.int32))
+    x = Tensor(rng.standard_normal((batch,) + shape).astype(np.float32))
+    y = Tensor(rng.integers(0, 10, batch).astype(np.int32))
     times = {"A": [], "B": []}
     b_settings = settings_of_b()
     what = ", ".join(args.set + args.option) if args.set or args.option else f"{args.change} undone"
@@ -210,14 +216,13 @@ def main():
         for name in ("A", "B") if i % 2 else ("B", "A"):  # neither always runs first
             t = time.perf_counter()
             with settings(b_settings if name == "B" else []):
-                _, grads = grad_fn(x, y)
-                opt(grads)
+                step(x, y)
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - t)
     med = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
-    print(f"ResNet-20, batch {args.batch}, {args.threads} thread(s), {args.steps} alternating steps each")
-    print(f"A  minidl: {med['A']:.1f} ms/step (median)")
-    print(f"B  with {what}: {med['B']:.1f} ms/step (median)")
+    print(f"{args.model}, batch {batch}, {args.threads} thread(s), {args.mode} mode, {args.steps} alternating steps each")
+    print(f"A  minidl: {med['A']:.2f} ms/step (median)")
+    print(f"B  with {what}: {med['B']:.2f} ms/step (median)")
     print(f"A is {med['B'] / med['A']:.3f}x as fast as B")
 
 

@@ -16,8 +16,9 @@ Per row, the median over the steps of its summed time per step, and its share of
 step (so the rows need not add up to exactly 100%). The wrappers cost a few microseconds per
 call: the unprofiled step time is printed beside the profiled one. Steps run in ``--mode``
 (default pynative); in both modes every op that runs goes through ``Primitive.apply`` (under
-graph, the fused BatchNormReLU shows where BatchNorm, Add and ReLU ran). Conv2D and MatMul calls
-also count their forward FLOPs, checked against benchmarks/flops.py's count from the layers.
+graph, the fused BatchNormReLU and DenseReLU show where BatchNorm, Add and ReLU, or MatMul,
+BiasAdd and ReLU ran). Conv2D, MatMul and Dense calls also count their forward FLOPs, checked
+against benchmarks/flops.py's count from the layers.
 """
 import argparse
 import collections
@@ -33,7 +34,7 @@ def parse_args():
     p.add_argument("--steps", type=int, default=8, help="timed steps (profiled, and as many unprofiled)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="BLAS / intra-op threads")
-    p.add_argument("--by-shape", action="store_true", help="split Conv2D rows by layer shape")
+    p.add_argument("--by-shape", action="store_true", help="split Conv2D and MatMul rows by layer shape")
     p.add_argument("--mode", choices=["pynative", "graph"], default="pynative",
                    help="minidl's execution mode: set_context(mode=PYNATIVE_MODE or GRAPH_MODE)")
     return p.parse_args()
@@ -92,6 +93,12 @@ class StepProfile:
         if self.by_shape and isinstance(prim, ops.Conv2D):
             x, w = (getattr(a, "shape", None) for a in args[:2])
             op = f"Conv2D {w[2]}x{w[3]}/{prim.stride[0]} {x[1]}->{w[0]} {x[2]}x{x[3]}"
+        elif self.by_shape and isinstance(prim, ops.MatMul):
+            x, w = (getattr(a, "shape", None) for a in args[:2])
+            op = f"MatMul {x[0]}x{x[1]}{'T' if prim.transpose_a else ''} @ {w[0]}x{w[1]}{'T' if prim.transpose_b else ''}"
+        elif self.by_shape and isinstance(prim, ops.Dense):
+            x, w = (getattr(a, "shape", None) for a in args[:2])
+            op = f"{prim.name} {x[0]}x{x[1]} @ {w[0]}x{w[1]}T"
         return op, kernel
 
     def _count_flop(self, prim, args, out):
@@ -100,6 +107,8 @@ class StepProfile:
             self.flop += 2 * out.data.size * w[1] * w[2] * w[3]
         elif isinstance(prim, ops.MatMul):  # 2 x out elements x the contracted length
             self.flop += 2 * out.data.size * args[0].shape[-2 if prim.transpose_a else -1]
+        elif isinstance(prim, ops.Dense):  # Dense and DenseReLU (graph mode's Dense layers): x @ w.T
+            self.flop += 2 * out.data.size * args[0].shape[-1]
 
     def __enter__(self):
         original, profile = Primitive.apply, self
@@ -183,15 +192,16 @@ def main():
 
     arch = "mlp" if args.model == "mlp" else args.model.split("_")[0]
     layers = flops.ARCHITECTURES.get(arch)
-    counted = f"{steps[-1][4] / 1e9:.3f} GFLOP forward in Conv2D and MatMul calls"
+    counted = f"{steps[-1][4] / 1e9:.3f} GFLOP forward in Conv2D, MatMul and Dense calls"
     if layers is not None:
         counted += f" (flops.py from the layers: {flops.step_flops(layers(), batch)[0] / 1e9:.3f})"
     print(f"{args.model}, batch {batch}, {args.threads} thread(s), {args.mode} mode, kernels "
           f"{'off (MINIDL_KERNELS=reference)' if kernels.is_reference_only() else 'on'}: median step "
           f"{step:.1f} ms profiled, {ms([s[0] for s in plain]):.1f} ms unprofiled, over {args.steps} steps; {counted}")
     print(f"{'op [kernel]':48s} {'calls':>5s} {'fwd ms':>8s} {'bwd ms':>8s} {'share':>6s}")
+    digits = 2 if step < 20 else 1  # a few-ms step (the MLP) needs the hundredths
     for label, f, b, calls in rows:
-        print(f"{label:48s} {'' if calls is None else calls:>5} {f:8.1f} {b:8.1f} {100 * (f + b) / step:5.1f}%")
+        print(f"{label:48s} {'' if calls is None else calls:>5} {f:8.{digits}f} {b:8.{digits}f} {100 * (f + b) / step:5.1f}%")
     by_op = collections.defaultdict(float)
     for label, f, b, _ in rows:
         by_op[label.split()[0].rstrip(":")] += f + b  # the op class, whatever shape or kernel

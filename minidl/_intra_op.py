@@ -208,6 +208,11 @@ def _pool():
         return pool
 
 
+def in_worker():
+    """Whether this thread is one of the pool's (running another op's chunk)."""
+    return _worker.active
+
+
 def parallel_map(fn, n):
     """[fn(0), ..., fn(n-1)]: the caller runs fn(0), the pool's threads the rest; n <= get_num_threads().
 

@@ -1,4 +1,5 @@
-"""GRAPH_MODE: a user's separate BatchNorm, residual Add and ReLU run as one fused op.
+"""GRAPH_MODE: a user's separate BatchNorm, residual Add and ReLU run as one fused op; so do a
+Dense layer's MatMul, BiasAdd and ReLU.
 
 Under ``minidl.set_context(mode=minidl.GRAPH_MODE)``, a call of ``ops.BatchNorm`` (its exact
 class, on the local runtime) does not run: it checks its arguments as eager would, then returns
@@ -12,6 +13,14 @@ first use:
   deferred tensor, "d + r", whose ReLU runs BatchNormReLU with the residual r;
 - any other use (another op, any attribute but ``shape``, ``dtype``, ``ndim``, ``size``)
   *materialises* d: the recorded BatchNorm runs now, as eager ran it, with the same arguments.
+
+A ``MatMul`` with nn.Dense's transposes (x @ w.T, both 2-D, one dtype) is a head like BatchNorm:
+``BiasAdd(d, b)`` of a 1-D b defers again, a ReLU then runs ``DenseReLU(x, w, b)`` (ops/dense.py;
+``DenseReLU(x, w)`` straight after the MatMul), and any other use of the BiasAdd's output runs
+``Dense(x, w, b)``: the product and the bias in one op, which is what every Dense layer with a
+bias and no ReLU gets. A MatMul output used otherwise runs as eager's MatMul. A Cell's end
+runs its pending ops as it runs BatchNorms (below), the op after a head first: a pending
+BiasAdd then runs as Dense.
 
 So the values, the graph and the side effects are eager's. Two things keep them so:
 
@@ -50,6 +59,8 @@ import weakref
 from . import autograd, backend
 from .nn import cell as _cell
 from .ops import primitive as _primitive
+from .ops.dense import Dense, DenseReLU
+from .ops.linalg import BiasAdd, MatMul, check_matmul
 from .ops.math import Add, ReLU
 from .ops.norm import BatchNorm
 from .ops.norm_relu import BatchNormReLU
@@ -69,15 +80,16 @@ _watching_bases = {}  # watching subclass -> the class it watches for
 class _Record:
     """What a deferred tensor holds in its ``data`` slot until it is computed.
 
-    ``op`` and ``args``: the call (a BatchNorm, or the Add of a BatchNorm's deferred output and a
-    residual: then ``bn`` is the position of that output in args). ``grad``: whether the call
-    was recorded for backward. ``frame``: the dict of pending BatchNorms that holds it.
+    ``op`` and ``args``: the call: a *head* (a BatchNorm or a MatMul), or the op after one (the
+    Add of a BatchNorm's deferred output and a residual, the BiasAdd of a MatMul's): then
+    ``head`` is the position of that output in args. ``grad``: whether the call was recorded
+    for backward. ``frame``: the dict of pending heads that holds it.
     """
 
-    __slots__ = ("op", "args", "grad", "shape", "dtype", "state", "bn", "frame", "watching", "ref")
+    __slots__ = ("op", "args", "grad", "shape", "dtype", "state", "head", "frame", "watching", "ref")
 
-    def __init__(self, op, args, grad, shape, dtype, bn=None):
-        self.op, self.args, self.grad, self.shape, self.dtype, self.bn = op, args, grad, shape, dtype, bn
+    def __init__(self, op, args, grad, shape, dtype, head=None):
+        self.op, self.args, self.grad, self.shape, self.dtype, self.head = op, args, grad, shape, dtype, head
         self.state, self.frame, self.watching, self.ref = PENDING, None, (), None
 
     ndim = property(lambda self: len(self.shape))
@@ -230,15 +242,22 @@ def _materialise(d):
             return
         record = _record(d)
         _unwatch(record)
-        args = record.args
-        if record.bn is None and record.state is FUSED and record.op.is_training:
+        op, args = record.op, record.args
+        if record.head is None and record.state is FUSED and type(op) is BatchNorm and op.is_training:
             args = args[:3] + (None, None)  # the fused op updated the moving statistics already
+        head = None if record.head is None else args[record.head]
+        head_record = _pending_head(head, MatMul)
+        if head_record is not None:  # the BiasAdd of a pending MatMul: Dense
+            _unwatch(head_record)
+            op, args = Dense(), head_record.args + args[1:]
         before = _grad_mode.enabled
         _grad_mode.enabled = record.grad
         try:
-            out = record.op.apply(*args)
+            out = op.apply(*args)
         finally:
             _grad_mode.enabled = before
+        if head_record is not None:
+            _fused(head, head_record, head_record.args)
         record.state = DONE
         _leave_frame(d, record)
         record.args = record.ref = None
@@ -261,12 +280,17 @@ def _call(prim, args):
     cls = type(prim)
     if cls is BatchNorm:
         return _batch_norm(prim, args)
+    if cls is MatMul:
+        return _matmul(prim, args)
     if cls is ReLU:
         if len(args) == 1 and type(args[0]) is _Deferred:
             return _relu(prim, args[0])
     elif cls is Add:
         if len(args) == 2 and (type(args[0]) is _Deferred or type(args[1]) is _Deferred):
             return _add(prim, args)
+    elif cls is BiasAdd:
+        if len(args) == 2 and type(args[0]) is _Deferred:
+            return _bias_add(prim, args)
     return prim.apply(*args)
 
 
@@ -286,9 +310,26 @@ def _batch_norm(prim, args):
     x_data = arrays[0]
     if prim.is_training and x_data.size // max(x_data.shape[1], 1) < 2:
         return prim.apply(*args)  # raises eager's "more than 1 value per channel"
-    node = object.__new__(BatchNorm)
+    return _defer_head(prim, BatchNorm, args, tuple(x_data.shape), x_data.dtype)
+
+
+def _matmul(prim, args):
+    """Defers nn.Dense's MatMul (x @ w.T of 2-D local tensors of one dtype), once eager's checks pass."""
+    if (prim.transpose_a or not prim.transpose_b or len(args) != 2
+            or not all(isinstance(a, Tensor) for a in args)):
+        return prim.apply(*args)
+    x, w = (a.data for a in args)  # resolves watches and deferred inputs, as eager's order
+    if any(a.placement is not None for a in args) or x.dtype != w.dtype or type(x) is not type(w):
+        return prim.apply(*args)  # eager's call (and its errors: a device mix names MatMul)
+    check_matmul(prim.name, x, w, False, True, batched=False)
+    return _defer_head(prim, MatMul, args, (x.shape[0], w.shape[0]), x.dtype)
+
+
+def _defer_head(prim, cls, args, shape, dtype):
+    """A deferred output for a head op's call (BatchNorm or MatMul), its arguments watched."""
+    node = object.__new__(cls)
     node.__dict__.update(prim.__dict__)
-    record = _Record(node, args, _grad_mode.enabled, tuple(x_data.shape), x_data.dtype)
+    record = _Record(node, args, _grad_mode.enabled, shape, dtype)
     d = _new_deferred(record)
     with _lock:
         _watch(record, args)
@@ -298,60 +339,88 @@ def _batch_norm(prim, args):
     return d
 
 
-def _pending_batch_norm(t):
-    """t's record when t is a BatchNorm output still pending, else None."""
+def _pending_head(t, cls=None):
+    """t's record when t is a head's output (of class ``cls``, when given) still pending, else None."""
     if type(t) is not _Deferred:
         return None
     record = _record(t)
-    return record if record.bn is None and record.state is PENDING else None
+    if record.head is not None or record.state is not PENDING or (cls is not None and type(record.op) is not cls):
+        return None
+    return record
+
+
+def _defer_after(prim, args, i, operand, shape, cls):
+    """``prim(*args)`` with args[i] a pending head's output of class ``cls`` and ``operand`` the other
+    argument (a plain local tensor after this), when ``shape(operand, head record)``: deferred
+    too; else eager's call."""
+    d = args[i]
+    if _pending_head(d, cls) is None or not isinstance(operand, Tensor) or operand is d:
+        return prim.apply(*args)
+    operand.data  # noqa: B018 - a deferred operand is computed now (a plain tensor can be watched)
+    record = _pending_head(d, cls)  # still pending? (reading the operand may have resolved d)
+    if (record is None or operand.placement is not None or operand.dtype != record.dtype
+            or not shape(tuple(operand.shape), record) or record.grad != _grad_mode.enabled):
+        return prim.apply(*args)
+    node = object.__new__(type(prim))
+    node.__dict__.update(prim.__dict__)
+    after = _Record(node, tuple(args), record.grad, record.shape, record.dtype, head=i)
+    s = _new_deferred(after)
+    with _lock:
+        _watch(after, (operand,))
+    if record.frame is not None:  # runs when its head would (a Cell's end, a mode change), before it
+        record.frame[id(s)] = s
+        after.frame = record.frame
+    return s
 
 
 def _add(prim, args):
     """``d + r`` for a pending BatchNorm output d and r of d's exact shape and dtype: deferred too."""
-    i = 0 if _pending_batch_norm(args[0]) is not None else 1
-    d, r = args[i], args[1 - i]
-    if _pending_batch_norm(d) is None or not isinstance(r, Tensor) or r is d:
-        return prim.apply(*args)
-    r.data  # noqa: B018 - a deferred residual is computed now (a plain tensor can be watched)
-    record = _pending_batch_norm(d)  # still pending? (reading r may have resolved d)
-    if (record is None or r.placement is not None or tuple(r.shape) != record.shape or r.dtype != record.dtype
-            or record.grad != _grad_mode.enabled):
-        return prim.apply(*args)
-    node = object.__new__(Add)
-    node.__dict__.update(prim.__dict__)
-    total = _Record(node, tuple(args), record.grad, record.shape, record.dtype, bn=i)
-    s = _new_deferred(total)
-    with _lock:
-        _watch(total, (r,))
-    return s
+    i = 0 if _pending_head(args[0], BatchNorm) is not None else 1
+    return _defer_after(prim, args, i, args[1 - i], lambda shape, record: shape == record.shape, BatchNorm)
+
+
+def _bias_add(prim, args):
+    """``d + b`` for a pending MatMul output d and a bias b of its columns: deferred too."""
+    return _defer_after(prim, args, 0, args[1], lambda shape, record: shape == record.shape[1:], MatMul)
 
 
 def _relu(prim, d):
-    """ReLU of a pending BatchNorm output (or of its sum with a residual): BatchNormReLU."""
+    """ReLU of a pending head's output, or of the op after it: BatchNormReLU or DenseReLU."""
     record = _record(d)
     if record.state is not PENDING or record.grad != _grad_mode.enabled:
         return prim.apply(d)
-    if record.bn is None:
-        bn, bn_record, residual = d, record, ()
+    if record.head is None:
+        head, head_record, extra = d, record, ()
     else:
-        bn, residual = record.args[record.bn], (record.args[1 - record.bn],)
-        bn_record = _pending_batch_norm(bn)
-        if bn_record is None or bn_record.grad != record.grad:
+        head, extra = record.args[record.head], (record.args[1 - record.head],)
+        head_record = _pending_head(head)
+        if head_record is None or head_record.grad != record.grad:
             return prim.apply(d)
-    op = bn_record.op
-    fused = BatchNormReLU(op.is_training, op.epsilon, op.momentum)
+    op = head_record.op
+    if type(op) is BatchNorm:
+        fused = BatchNormReLU(op.is_training, op.epsilon, op.momentum)
+        kept = head_record.args[:3] if op.is_training else head_record.args
+    else:
+        fused, kept = DenseReLU(), head_record.args
     with _lock:
-        _unwatch(bn_record)
+        _unwatch(head_record)
         _unwatch(record)
-        args = bn_record.args
-        out = fused.apply(*(args + residual))
-        bn_record.state = record.state = FUSED
-        _leave_frame(bn, bn_record)
-        # Either output may still be used: it is computed then from these values, so they stay watched.
-        _watch(bn_record, args[:3] if op.is_training else args)
-        if record is not bn_record:
-            _watch(record, residual)
+        out = fused.apply(*(head_record.args + extra))
+        record.state = FUSED
+        _fused(head, head_record, kept)
+        if record is not head_record:
+            _leave_frame(d, record)
+            _watch(record, extra)
     return out
+
+
+def _fused(head, head_record, kept):
+    """The head (its deferred output, its record) ran inside a fused op. Its own output may still
+    be used: it is computed then from the values ``kept`` had (its arguments, or those that
+    matter), so they stay watched."""
+    head_record.state = FUSED
+    _leave_frame(head, head_record)
+    _watch(head_record, kept)
 
 
 # ---- when pending BatchNorms must run: Cell.__call__, value_and_grad, a mode change ----------------
@@ -377,9 +446,12 @@ def _call_cell(cell, args, kwargs):
         raise
     frames.pop()
     if frame:
-        kept = _returned(out, set()) if len(frames) > 1 else ()
+        returned = _returned(out, {}) if len(frames) > 1 else {}  # the outermost cell runs all
+        kept = set(returned) | {id(_head_of(d)) for d in returned.values()}
         parent = frames[-1]
-        for key, d in list(frame.items()):
+        for key, d in _in_running_order(frame):
+            if type(d) is not _Deferred:  # run already, by an op after it
+                continue
             if key in kept:
                 parent[key] = d
                 _record(d).frame = parent
@@ -388,22 +460,34 @@ def _call_cell(cell, args, kwargs):
     return out
 
 
-def _returned(out, ids):
-    """The ids of the pending BatchNorm outputs ``out`` holds (in tuples, lists and dict values)."""
+def _returned(out, found):
+    """{id: d} of the deferred outputs ``out`` holds (in tuples, lists and dict values)."""
     if type(out) is _Deferred:
-        record = _record(out)
-        ids.add(id(out) if record.bn is None else id(record.args[record.bn]))
+        found[id(out)] = out
     elif isinstance(out, (tuple, list)):
         for o in out:
-            _returned(o, ids)
+            _returned(o, found)
     elif isinstance(out, dict):
         for o in out.values():
-            _returned(o, ids)
-    return ids
+            _returned(o, found)
+    return found
+
+
+def _head_of(d):
+    """The head's deferred output that d is, or follows (the BatchNorm before an Add, the MatMul before a BiasAdd)."""
+    record = _record(d)
+    return d if record.head is None else record.args[record.head]
+
+
+def _in_running_order(frame):
+    """(id, d) of a frame's pending outputs, the ops after a head first: a BiasAdd materialised
+    with its MatMul pending runs as one Dense."""
+    items = list(frame.items())
+    return [kv for kv in items if _record(kv[1]).head is not None] + [kv for kv in items if _record(kv[1]).head is None]
 
 
 def _run_pending(frame):
-    for d in list(frame.values()):
+    for _, d in _in_running_order(frame):
         _materialise(d)
 
 

@@ -17,6 +17,7 @@ from .pool import *  # noqa: F401,F403
 from .norm import *  # noqa: F401,F403
 from .layer_norm import *  # noqa: F401,F403
 from .norm_relu import *  # noqa: F401,F403
+from .dense import *  # noqa: F401,F403
 from .dropouts import *  # noqa: F401,F403
 from .manipulation import *  # noqa: F401,F403
 from .updates import *  # noqa: F401,F403

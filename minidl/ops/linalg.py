@@ -29,7 +29,7 @@ class MatMul(_Product):
     """
 
     def forward(self, x, w):
-        _check_matmul(self.name, x, w, self.transpose_a, self.transpose_b, batched=False)
+        check_matmul(self.name, x, w, self.transpose_a, self.transpose_b, batched=False)
         self.x, self.w = x, w
         a = x.T if self.transpose_a else x
         b = w.T if self.transpose_b else w
@@ -58,7 +58,7 @@ class BatchMatMul(_Product):
     """
 
     def forward(self, x, w):
-        _check_matmul(self.name, x, w, self.transpose_a, self.transpose_b, batched=True)
+        check_matmul(self.name, x, w, self.transpose_a, self.transpose_b, batched=True)
         self.x, self.w = x, w
         a = _t(x) if self.transpose_a else x
         b = _t(w) if self.transpose_b else w
@@ -78,7 +78,7 @@ class BatchMatMul(_Product):
         return gx, gw
 
 
-def _check_matmul(op, x, w, ta, tb, batched):
+def check_matmul(op, x, w, ta, tb, batched):
     if not batched and (x.ndim != 2 or w.ndim != 2):
         raise ValueError(f"{op}: x and w must be 2-D, got shapes {tuple(x.shape)} and {tuple(w.shape)}")
     if batched and (x.ndim < 2 or w.ndim < 2):

@@ -9,11 +9,19 @@ GIL, so the intra-op threads run their GEMMs at once).
 Which library (the ``blas`` option):
 - ``"openblas"``: the one NumPy itself links (found by minidl/_intra_op.py: the wheel's copy);
   the intra-op threads make it single-threaded for theirs.
-- ``"mkl"``: Intel's MKL (``pip install 'minidl[mkl]'``, PyPI's ``mkl``), loaded with its
-  sequential threading layer, so it starts no thread pool of its own: the kernels call it from
-  the intra-op threads, one GEMM per thread, as they do OpenBLAS. On the conv kernels' GEMM
-  shapes (16-64 output channels, a few thousand columns) it measured 1.2-1.5x OpenBLAS's speed
-  on one core (benchmarks/bench_gemm.py --direct). NumPy's own matmul stays on OpenBLAS.
+- ``"mkl"``: Intel's MKL (``pip install 'minidl[mkl]'``, PyPI's ``mkl``). On the conv kernels'
+  GEMM shapes (16-64 output channels, a few thousand columns) it measured 1.2-1.5x OpenBLAS's
+  speed on one core (benchmarks/bench_gemm.py --direct). NumPy's own matmul stays on OpenBLAS.
+
+Threads. The conv kernels call :func:`gemm` from the intra-op threads, one single-threaded GEMM
+per thread; a MatMul (kernels/cpu/matmul.py) calls :func:`matmul` with ``threads=n`` from the
+op's own thread, one GEMM on n threads. OpenBLAS: its thread-local count (the intra-op threads
+set theirs to 1). MKL is loaded with its Intel OpenMP threading layer, its global count set to
+1 (so a call from an intra-op thread never starts a team of its own) and a call's ``threads``
+set thread-locally for that call. OpenMP's threads spin for ``KMP_BLOCKTIME`` after a parallel
+GEMM, 200 ms by default: on cores the intra-op threads then need. minidl sets it to 1 ms unless
+it is already set (the MLP's GEMMs come less than 1 ms apart: the spin is what makes MKL's
+threaded GEMMs faster than OpenBLAS's there).
 - None: MKL when it is installed, else OpenBLAS. The default is ``$MINIDL_BLAS`` when set.
 Without either (a NumPy on another BLAS) :func:`available` is false and kernels take their
 other routes. :func:`library` says which is in use.
@@ -28,19 +36,21 @@ import numpy
 from ... import _intra_op as intra_op
 from .. import declare_option, get_option
 
-__all__ = ["available", "library", "gemm", "gemm_for", "matmul", "address"]
+__all__ = ["available", "library", "installed", "load", "gemm", "gemm_for", "matmul", "address"]
 
 declare_option("blas", os.environ.get("MINIDL_BLAS") or None,
                "the BLAS the CPU kernels call directly: 'mkl', 'openblas' (NumPy's), or None: MKL when "
                "installed (pip install 'minidl[mkl]'), else NumPy's OpenBLAS; default: $MINIDL_BLAS")
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
-_MKL_SEQUENTIAL = 1  # MKL_Set_Threading_Layer's MKL_THREADING_SEQUENTIAL
+_MKL_INTEL_THREADS = 0  # MKL_Set_Threading_Layer's MKL_THREADING_INTEL (Intel OpenMP)
+_BLOCKTIME_MS = "1"  # KMP_BLOCKTIME's default here (see the module docstring)
 # (prefix, suffix, BLAS integer): NumPy's wheels ship OpenBLAS built with 64-bit integers under
 # scipy_ names; a system OpenBLAS has the plain CBLAS names (LP64) or the 64_ suffix (ILP64).
 _OPENBLAS_NAMES = (("scipy_cblas_", "64_", ctypes.c_int64), ("cblas_", "64_", ctypes.c_int64),
                    ("cblas_", "", ctypes.c_int))
 _found = {}  # library name -> {dtype char: ctypes gemm} ({} when that library is absent)
+_set_local = {}  # library name -> its thread-local "n threads" setter (returns the previous setting)
 
 
 def _bind(lib, prefix, suffix, blas_int):
@@ -59,7 +69,18 @@ def _bind(lib, prefix, suffix, blas_int):
     return fns
 
 
-def _load(name):
+def _mkl_paths():
+    """MKL's single dynamic library, as the mkl wheel installs it under sys.prefix/lib."""
+    return sorted(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")))
+
+
+def installed(name):
+    """Whether library ``name`` can be loaded, without loading it (MKL: its file is there)."""
+    return bool(_mkl_paths()) if name == "mkl" else bool(load(name))
+
+
+def load(name):
+    """{dtype char: gemm} of library ``name`` ('mkl' or 'openblas'), loading it once; {} when absent."""
     if name not in _found:
         fns = {}
         if name == "openblas":
@@ -67,17 +88,21 @@ def _load(name):
             for prefix, suffix, blas_int in _OPENBLAS_NAMES if lib else ():
                 fns = _bind(lib, prefix, suffix, blas_int)
                 if fns:
+                    _set_local[name] = lib.openblas_set_num_threads_local
                     break
-        else:  # MKL's single dynamic library, as the mkl wheel installs it under sys.prefix/lib
-            for path in sorted(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*"))):
+        else:
+            for path in _mkl_paths():
                 try:
                     lib = ctypes.CDLL(path)
                 except OSError:
                     continue
-                # Must precede MKL's first computation; sequential: no OpenMP pool beside OpenBLAS's.
-                lib.MKL_Set_Threading_Layer(_MKL_SEQUENTIAL)
+                # Before OpenMP starts (it reads its environment once) and MKL's first computation.
+                os.environ.setdefault("KMP_BLOCKTIME", _BLOCKTIME_MS)
+                lib.MKL_Set_Threading_Layer(_MKL_INTEL_THREADS)
+                lib.MKL_Set_Num_Threads(1)  # threads come per call (matmul's threads), thread-locally
                 fns = _bind(lib, "cblas_", "", ctypes.c_int)  # mkl_rt's default interface is LP64
                 if fns:
+                    _set_local[name] = lib.MKL_Set_Num_Threads_Local
                     break
         _found[name] = fns
     return _found[name]
@@ -89,12 +114,12 @@ def library():
     if choice is not None:
         if choice not in ("mkl", "openblas"):
             raise ValueError(f"kernels option blas must be 'mkl', 'openblas' or None, got {choice!r}")
-        if not _load(choice):
+        if not load(choice):
             raise RuntimeError(f"kernels option blas={choice!r}, but it was not found"
                                + (": pip install 'minidl[mkl]'" if choice == "mkl" else f" ({intra_op.blas_status()})"))
         return choice
     for name in ("mkl", "openblas"):
-        if _load(name):
+        if load(name):
             return name
     return None
 
@@ -142,10 +167,11 @@ def _rows(a):
     return None
 
 
-def matmul(a, b, out, beta=0.0):
+def matmul(a, b, out, beta=0.0, threads=1):
     """``out[...] = a @ b + beta * out`` for 2-D NumPy views (any row pitch, either orientation) of
-    one float dtype through :func:`gemm`; False (nothing done) where BLAS cannot take them as they
-    lie. Whether it can depends only on dtypes and strides, not on the values."""
+    one float dtype through :func:`gemm`, on ``threads`` threads of the library's own; False
+    (nothing done) where BLAS cannot take them as they lie. Whether it can depends only on dtypes
+    and strides, not on the values."""
     if not (a.dtype == b.dtype == out.dtype and available(out.dtype) and min(a.shape + b.shape) > 0):
         return False
     ra, rb, rc = _rows(a), _rows(b), _rows(out)
@@ -153,6 +179,12 @@ def matmul(a, b, out, beta=0.0):
         return False
     (pa, lda, ta), (pb, ldb, tb) = ra, rb
     m, k = a.shape
-    _functions()[out.dtype.char](_ROW_MAJOR, _TRANS if ta else _NO_TRANS, _TRANS if tb else _NO_TRANS,
-                                 m, b.shape[1], k, 1.0, pa, lda, pb, ldb, beta, rc[0], rc[1])
+    set_local = _set_local[library()] if threads != 1 else None
+    previous = set_local(threads) if set_local else None
+    try:
+        _functions()[out.dtype.char](_ROW_MAJOR, _TRANS if ta else _NO_TRANS, _TRANS if tb else _NO_TRANS,
+                                     m, b.shape[1], k, 1.0, pa, lda, pb, ldb, beta, rc[0], rc[1])
+    finally:
+        if set_local:
+            set_local(previous)
     return True

@@ -12,18 +12,24 @@ BatchMatMul prepends the output's batch dimensions as loops of the device matrix
 broadcast as numpy's: a batch dimension of size 1 stays whole). BiasAdd follows x, the bias
 cut like x's channel dimension.
 
+Dense and DenseReLU (``x @ w.T + b``, one op: ops/dense.py) run as the ops they fuse,
+MatMul(transpose_b), BiasAdd (and ReLU), each sharded from the Dense strategy ``(s_x, s_w,
+s_b)``: x (m, k), w stored (n, k), b (n,), so the bias is cut as w's rows. Their fused body
+saves passes over a local output; under a strategy the product may be a partial sum that
+must be reduced before the bias is added, which the separate ops' redistribution does.
+
 ``ops.matmul`` / ``@`` (NumPy's matmul, vectors included) has no rule of its own: it is a
 composite of ExpandDims, MatMul or BatchMatMul, and Squeeze, each sharded by its own rule.
 """
 from minidl import ops
 
 from ..layout import Layout
-from .base import (OpSharding, Rule, StrategyError, check_strategy_shape, device_matrix_for, largest_cut,
+from .base import (Decomposed, OpSharding, Rule, StrategyError, check_strategy_shape, device_matrix_for, largest_cut,
                    register, tensor_specs)
 from .elementwise import (aligned_map, batch_cut, broadcast_cuts, broadcast_shape, check_counts, dims_map,
                           first_accepted, follow)
 
-__all__ = ["ProductRule", "BiasAddRule"]
+__all__ = ["ProductRule", "BiasAddRule", "DenseRule"]
 
 
 def _logical(transposed, pair):
@@ -130,3 +136,37 @@ class BiasAddRule(Rule):
             return self.data_parallel(prim, args, device_num)
         fx = follow(x, layouts[0])
         return first_accepted(self, prim, args, device_num, [(fx, (fx[self._axis(prim, x)],))])
+
+
+@register(ops.Dense, ops.DenseReLU)
+class DenseRule(Rule):
+    """Dense / DenseReLU as MatMul(transpose_b), BiasAdd (and ReLU), sharded from one strategy."""
+
+    _product = ProductRule()
+
+    def infer(self, prim, args, strategy, device_num):
+        strategy = tuple(tuple(s) for s in strategy)
+        specs = check_counts(strategy, args)
+        if specs[0].ndim != 2 or specs[1].ndim != 2:
+            raise ValueError(f"{prim.name}: x and w must be 2-D, got shapes {specs[0].shape} and {specs[1].shape}")
+        check_strategy_shape(strategy, args)
+        (m, _), (n, _) = strategy[:2]
+        if len(strategy) == 3 and strategy[2] != (n,):
+            raise StrategyError(f"the bias's cut {strategy[2][0]} must equal the cut {n} of w's rows (dimension 0)")
+        matmul = ops.MatMul(False, True).shard(strategy[:2])
+        bias_add = ops.BiasAdd().shard(((m, n), (n,))) if len(strategy) == 3 else None
+        relu = ops.ReLU().shard(((m, n),)) if type(prim) is ops.DenseReLU else None
+
+        def fn(x, w, b=None):
+            y = matmul(x, w)
+            y = y if bias_add is None else bias_add(y, b)
+            return y if relu is None else relu(y)
+        return Decomposed(fn, f"{prim.name} as MatMul(transpose_b), BiasAdd" + (" and ReLU" if relu else ""))
+
+    def data_parallel(self, prim, args, device_num):
+        specs = tensor_specs(args)
+        return self._product.data_parallel(ops.MatMul(False, True), args[:2], device_num) + ((1,),) * (len(specs) - 2)
+
+    def propagate(self, prim, args, layouts, device_num):
+        s_x, s_w = self._product.propagate(ops.MatMul(False, True), args[:2], layouts[:2], device_num)
+        return (s_x, s_w) + ((s_w[0],),) * (len(tensor_specs(args)) - 2)

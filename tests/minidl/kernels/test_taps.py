@@ -12,7 +12,7 @@ from minidl.kernels.cpu.taps import Taps, tap_correlate, tap_input_gradient
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("kernels_on")]
 
-LIBRARIES = [name for name in ("openblas", "mkl") if blas._load(name)]
+LIBRARIES = [name for name in ("openblas", "mkl") if blas.load(name)]
 
 
 @contextlib.contextmanager

@@ -1,0 +1,277 @@
+"""GRAPH_MODE's Dense fusion (minidl/graph_mode.py): nn.Dense's MatMul(transpose_b) + BiasAdd (+ ReLU)
+runs as ops.Dense / ops.DenseReLU, and every result equals PYNATIVE_MODE's. Each test runs the same
+code in both modes (test_graph_mode.both) and compares. On reference bodies (kernels.reference_only)
+Dense and DenseReLU are MatMul, BiasAdd and ReLU one after another, so values, gradients and
+parameters after optimizer steps are eager's bit for bit; with the CPU kernels, within their bound.
+Covered: an MLP trained (custom loop, Model.train; float32, float64), which ops ran, outputs with two
+uses, in-place writes while an op is pending, no_grad, what must not fuse, errors, and an output
+returned from the network and read later.
+"""
+import numpy as np
+import pytest
+
+import minidl
+from minidl import Parameter, Tensor, graph_mode, kernels, nn, ops
+from minidl.ops.dense import DenseReLU
+
+# tests/minidl has no __init__.py: pytest puts it on sys.path, as tests/minidl_parallel's imports rely on
+from test_graph_mode import MODES, assert_same, both, mode, node_names, state
+
+
+def data(shape, seed=0, dtype=np.float32):
+    return Tensor(np.random.default_rng(seed).standard_normal(shape).astype(dtype))
+
+
+def mlp(dtype=np.float32):
+    return nn.SequentialCell([nn.Dense(20, 32, dtype=dtype), nn.ReLU(), nn.Dense(32, 32, dtype=dtype), nn.ReLU(),
+                              nn.Dense(32, 10, dtype=dtype)])
+
+
+LABELS = np.array([1, 3, 5, 7, 9, 0, 2, 4], np.int32)
+LOSS = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+
+
+def train_custom_loop(dtype=np.float32, steps=3):
+    net = mlp(dtype)
+    opt = nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)
+    grad_fn = minidl.value_and_grad(lambda x, y: LOSS(net(x), y), None, opt.parameters)
+    x, y = data((8, 20), dtype=dtype), Tensor(LABELS)
+    out = []
+    for _ in range(steps):
+        loss, g = grad_fn(x, y)
+        opt(g)
+        out.append((loss.asnumpy(), [t.asnumpy() for t in g]))
+    return out, state(net)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_mlp_custom_loop_equals_eager_bit_for_bit_on_reference_bodies(dtype):
+    with kernels.reference_only():
+        eager, graph = both(train_custom_loop, dtype)
+    assert_same(eager, graph)
+    assert graph[1]["0.weight"].dtype == dtype
+
+
+def test_mlp_custom_loop_equals_eager_within_the_kernel_bound(kernels_on):
+    eager, graph = both(train_custom_loop)
+    assert_same(eager, graph, exact=False)
+
+
+def test_mlp_model_train_equals_eager():
+    def train():
+        net = mlp()
+        opt = nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)
+        images = np.random.default_rng(1).standard_normal((8, 20)).astype(np.float32)
+        dataset = minidl.dataset.NumpySlicesDataset({"image": images, "label": LABELS}, shuffle=False).batch(4)
+        minidl.Model(net, LOSS, opt).train(2, dataset)
+        return state(net)
+    with kernels.reference_only():
+        eager, graph = both(train)
+    assert_same(eager, graph)
+
+
+def test_the_fused_ops_run_in_graph_mode_only():
+    def forward():
+        return [node_names(net(data((4, 20)))) for net in (
+            mlp(), nn.SequentialCell([nn.Dense(20, 6, has_bias=False), nn.ReLU()]),  # DenseReLU(x, w)
+            nn.Dense(20, 6, activation="relu"), nn.Dense(20, 6, has_bias=False))]
+    eager, graph = both(forward)
+    assert not {"Dense", "DenseReLU"} & set(sum(eager, []))
+    assert eager[0].count("MatMul") == 3
+    assert sorted(graph[0]) == ["Dense", "DenseReLU", "DenseReLU"]   # the last layer has no ReLU
+    assert graph[1] == graph[2] == ["DenseReLU"]
+    assert graph[3] == ["MatMul"]   # no bias, no ReLU: the MatMul runs as eager's
+
+
+@pytest.mark.cpu_only  # the CPU kernels of Dense and DenseReLU
+def test_kernels_tracking_shows_the_dense_kernels_in_graph_mode_only(kernels_on):
+    if not any(k.backend == "numpy" for k in kernels.registered(DenseReLU)):
+        pytest.skip("no CPU kernel registered for DenseReLU")
+
+    def forward():
+        with kernels.tracking() as used:
+            mlp()(data((8, 20))).sum().backward()
+        return {k.op.__name__ for k in used}
+    eager, graph = both(forward)
+    assert {"Dense", "DenseReLU"} <= graph and not {"Dense", "DenseReLU"} & eager
+
+
+def run_ops(body, x_shape=(4, 5), w_shape=(3, 5), exact_grads=True, columns=3):
+    """body(x, w, b) in both modes on reference bodies: its value and the gradients (to x, w, b) of
+    a weighted sum of it must equal eager's. Returns graph mode's node names of the output."""
+    def forward():
+        x, w = data(x_shape), Parameter(data(w_shape, 1).data, name="w")
+        b = Parameter(data((columns,), 2).data, name="b")
+        x.requires_grad = True
+        seen = {}
+
+        def loss(x):
+            out = body(x, w, b)
+            seen["out"], seen["names"] = out.asnumpy().copy(), node_names(out)
+            return (out * data(out.shape, 3)).sum()
+        _, (gx, (gw, gb)) = minidl.value_and_grad(loss, 0, [w, b])(x)
+        return seen["out"], [gx.asnumpy(), gw.asnumpy(), gb.asnumpy()], seen["names"]
+    with kernels.reference_only():
+        (out_e, grads_e, _), (out_g, grads_g, names) = both(forward)
+    assert_same(out_e, out_g)
+    assert_same(grads_e, grads_g, exact=exact_grads)
+    return names
+
+
+def matmul(x, w):
+    return ops.MatMul(transpose_b=True)(x, w)
+
+
+def test_matmul_output_used_twice():
+    # After the fusion m runs again as MatMul for "+ m". Values bit for bit; gradients to rounding:
+    # eager sums m's two gradients before one MatMul backward, graph mode sums the two products.
+    def body(x, w, b):
+        m = matmul(x, w)
+        return ops.relu(ops.bias_add(m, b)) + m
+    names = run_ops(body, exact_grads=False)
+    assert "DenseReLU" in names and "MatMul" in names
+
+    def used_before_the_relu(x, w, b):
+        m = matmul(x, w)
+        z = ops.bias_add(m, b)
+        q = m * 2.0             # computes m: nothing is left to fuse, the graph is eager's
+        return ops.relu(z) + q
+    names = run_ops(used_before_the_relu)
+    assert "DenseReLU" not in names and "Dense" not in names and "BiasAdd" in names
+
+
+def test_bias_add_output_used_by_a_relu_and_elsewhere():
+    def body(x, w, b):
+        z = ops.bias_add(matmul(x, w), b)
+        return ops.relu(z) + z  # z computed again after the fusion (as MatMul, BiasAdd): rounding as above
+    names = run_ops(body, exact_grads=False)
+    assert "DenseReLU" in names and "BiasAdd" in names
+
+
+def write_w(w):
+    w.set_data(np.full(tuple(w.shape), 7.0, np.float32))  # a new array, as load_param_into_net
+
+
+@pytest.mark.parametrize("where", ["w_before_bias_add", "w_before_relu", "w_in_place_before_relu",
+                                   "b_before_relu", "input_before_relu", "w_after_relu",
+                                   "w_after_dense"])
+def test_in_place_write_between_matmul_and_relu(where):
+    # eager computed the product at the call: a write afterwards must not reach it in graph mode
+    def body(x, w, b):
+        h = x * 1.0
+        m = matmul(h, w)
+        if where == "w_before_bias_add":
+            write_w(w)
+        z = ops.bias_add(m, b)
+        if where == "w_before_relu":
+            write_w(w)
+        elif where == "w_in_place_before_relu":
+            w.data[...] *= 2        # the same array: as an optimizer's update
+        elif where == "b_before_relu":
+            b.data[...] = 0
+        elif where == "input_before_relu":
+            h.data[...] = 0
+        elif where == "w_after_dense":
+            a = z * 2.0             # runs Dense(h, w, b); m is used after the write
+            write_w(w)
+            return a + m
+        a = ops.relu(z)
+        if where == "w_after_relu":
+            write_w(w)              # z is used after it: computed from the values as of its call
+            return a + z
+        return a
+    run_ops(body, exact_grads=not where.startswith("w_after"))  # two uses of m: see above
+
+
+def test_no_grad():
+    def body(x, w, b):
+        with minidl.no_grad():
+            out = ops.relu(ops.bias_add(matmul(x, w), b))
+            assert out._node is None
+        m = matmul(x, w)
+        with minidl.no_grad():    # grad mode changed in the window: runs as eager
+            z = ops.bias_add(m, b)
+            assert z._node is None
+        z2 = ops.bias_add(matmul(x, w), b)
+        with minidl.no_grad():    # changed before the ReLU: runs as eager, z2 keeps its graph
+            r = ops.relu(z2)
+            assert r._node is None
+        return out + ops.relu(z) + ops.relu(m) + r + z2
+    run_ops(body)
+
+
+@pytest.mark.parametrize("ta, tb, x_shape, w_shape", [(True, True, (5, 4), (3, 5)), (True, False, (5, 4), (5, 3)),
+                                                      (False, False, (4, 5), (5, 3))])
+def test_other_transposes_stay_matmul(ta, tb, x_shape, w_shape):
+    def body(x, w, b):
+        return ops.relu(ops.bias_add(ops.MatMul(ta, tb)(x, w), b))
+    names = run_ops(body, x_shape, w_shape)
+    assert "MatMul" in names and "DenseReLU" not in names
+
+
+@pytest.mark.parametrize("bias", ["broadcast_add", "row_add", "float64_bias", "array_bias"])
+def test_a_bias_other_than_bias_add_of_a_1d_tensor_is_not_fused(bias):
+    def body(x, w, b):
+        m = matmul(x, w)
+        return ops.relu({"broadcast_add": lambda: m + b, "row_add": lambda: m + b.reshape((1, 3)),
+                         "float64_bias": lambda: ops.bias_add(m, ops.cast(b, minidl.float64)),
+                         "array_bias": lambda: ops.bias_add(m, b.data + 1)}[bias]())  # a raw array, no Tensor
+    names = run_ops(body)
+    assert "MatMul" in names and "DenseReLU" not in names
+
+
+def test_errors_come_at_the_call_with_eager_messages():
+    x, w, b, messages = data((4, 5)), data((3, 5)), data((3,)), []
+    for m in MODES:
+        with mode(m):
+            calls = [lambda: matmul(x, data((3, 6))), lambda: matmul(data((5,)), w),
+                     lambda: ops.bias_add(matmul(x, w), data((4,))), lambda: ops.bias_add(matmul(x, w), data((1, 3)))]
+            for call in calls:
+                with pytest.raises(ValueError) as err:
+                    call()
+                messages.append(str(err.value))
+            assert ops.relu(ops.bias_add(matmul(x, w), b)).shape == (4, 3)   # nothing left broken
+    assert messages[:4] == messages[4:]
+    assert "MatMul" in messages[0] and "BiasAdd" in messages[2]
+
+
+def test_an_output_only_returned_from_the_network_is_computed():
+    def forward():
+        net = mlp()
+        x, flat = data((8, 20)), nn.Dense(20, 6, activation="relu")
+        out, out3d = net(x), flat(data((2, 4, 20)))   # a 3-D input is flattened around the product
+        opt = nn.Momentum(net.trainable_params(), learning_rate=0.5, momentum=0.9)
+        _, grads = minidl.value_and_grad(lambda x: LOSS(net(x), Tensor(LABELS)), None, opt.parameters)(x)
+        opt(grads)                  # the weights change in place before out is read
+        return out.asnumpy(), out3d.asnumpy(), state(net), node_names(out3d)
+    with kernels.reference_only():
+        eager, graph = both(forward)
+    assert_same(eager[:3], graph[:3])
+    assert "DenseReLU" in graph[3] and "Reshape" in graph[3]
+
+
+@pytest.mark.cpu_only  # a Tensor shares a NumPy array only on the CPU
+def test_a_write_into_the_input_buffer_after_the_network_returned():
+    def forward():
+        net, buf = nn.Dense(4, 3), np.ones((2, 4), np.float32)
+        x = Tensor(buf)             # no copy: x's array is buf
+        outs = []
+        for v in (1.0, 2.0):
+            buf[...] = v            # a reused input buffer, as a data loader's
+            outs.append(net(x))
+        return [o.asnumpy() for o in outs]
+    assert_same(*both(forward))
+
+
+def test_a_mode_change_runs_a_pending_dense_and_restores_the_classes():
+    rng = np.random.default_rng(9)
+    x, w, b = (Tensor(rng.standard_normal(s).astype(np.float32)) for s in ((4, 5), (3, 5), (3,)))
+    with mode(minidl.GRAPH_MODE):
+        y = ops.bias_add(ops.MatMul(transpose_b=True)(x, w), b)
+        assert graph_mode.is_deferred(y) and y.shape == (4, 3)
+        minidl.set_context(mode=minidl.PYNATIVE_MODE)
+        assert not graph_mode.is_deferred(y)
+    assert type(x) is Tensor and type(w) is Tensor and type(b) is Tensor and type(y) is Tensor
+    with kernels.reference_only():
+        expected = ops.bias_add(ops.MatMul(transpose_b=True)(x, w), b).asnumpy()
+    np.testing.assert_allclose(y.asnumpy(), expected, rtol=1e-5, atol=1e-5)

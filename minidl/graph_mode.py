@@ -450,7 +450,7 @@ def _call_cell(cell, args, kwargs):
         kept = set(returned) | {id(_head_of(d)) for d in returned.values()}
         parent = frames[-1]
         for key, d in _in_running_order(frame):
-            if type(d) is not _Deferred:  # run already, by an op after it
+            if key not in frame:  # run already, with or inside the op after it
                 continue
             if key in kept:
                 parent[key] = d
@@ -487,8 +487,9 @@ def _in_running_order(frame):
 
 
 def _run_pending(frame):
-    for _, d in _in_running_order(frame):
-        _materialise(d)
+    for key, d in _in_running_order(frame):
+        if key in frame:  # (not run already, with or inside the op after it)
+            _materialise(d)
 
 
 def flush():

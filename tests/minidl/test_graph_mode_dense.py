@@ -83,6 +83,26 @@ def test_the_fused_ops_run_in_graph_mode_only():
     assert graph[3] == ["MatMul"]   # no bias, no ReLU: the MatMul runs as eager's
 
 
+def test_each_layer_runs_one_op_and_nothing_twice(monkeypatch):
+    """What runs in a training step, counted at Primitive.apply: each layer's one fused op, no
+    MatMul besides (a fused head must not run again when its Cell ends)."""
+    from minidl.ops.primitive import Primitive
+    ran, original = [], Primitive.apply
+
+    def apply(prim, *args):
+        ran.append(type(prim).__name__)
+        return original(prim, *args)
+    monkeypatch.setattr(Primitive, "apply", apply)
+
+    def step():
+        ran.clear()
+        train_custom_loop(steps=1)
+        return [name for name in ran if name in ("MatMul", "BiasAdd", "ReLU", "Dense", "DenseReLU")]
+    eager, graph = both(step)
+    assert sorted(eager) == ["BiasAdd"] * 3 + ["MatMul"] * 3 + ["ReLU"] * 2
+    assert sorted(graph) == ["Dense", "DenseReLU", "DenseReLU"]
+
+
 @pytest.mark.cpu_only  # the CPU kernels of Dense and DenseReLU
 def test_kernels_tracking_shows_the_dense_kernels_in_graph_mode_only(kernels_on):
     if not any(k.backend == "numpy" for k in kernels.registered(DenseReLU)):

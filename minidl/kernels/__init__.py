@@ -35,7 +35,7 @@ import numpy
 from ..backend import get_array_module
 
 __all__ = ["Kernel", "register", "choose", "registered", "set_reference_only", "reference_only", "is_reference_only",
-           "declare_option", "set_option", "get_option", "options", "tracking"]
+           "declare_option", "set_option", "get_option", "options", "tracking", "only"]
 
 
 class Kernel:
@@ -46,11 +46,14 @@ class Kernel:
     ``cases()``: (make_primitive, input arrays) pairs the differential test runs through both the
     kernel and the reference body; shapes where ``applies`` is true (the op harness's small
     draws often fall back to the reference).
+    ``priority``: among an op's kernels, those with a higher one are asked first (then in
+    registration order): a library kernel before the routes it would otherwise fall back to.
     """
 
     op = None
     backend = "numpy"
     bound = None
+    priority = 0
 
     @property
     def name(self):
@@ -90,12 +93,14 @@ def register(kernel_class):
     if kernel.op is None or kernel.backend not in ("numpy", "cupy"):
         raise ValueError(f"kernels.register: {kernel_class.__name__} must set op (a Primitive class) and backend "
                          f"('numpy' or 'cupy'), got op={kernel.op!r}, backend={kernel.backend!r}")
-    _table.setdefault(kernel.op, []).append(kernel)
+    kernels = _table.setdefault(kernel.op, [])
+    kernels.append(kernel)
+    kernels.sort(key=lambda k: -k.priority)  # stable: registration order within a priority
     return kernel_class
 
 
 def registered(op=None):
-    """The registered kernels (of primitive class ``op``, or all), in registration order."""
+    """The registered kernels (of primitive class ``op``, or all), in the order they are asked."""
     if op is not None:
         return list(_table.get(op, ()))
     return [k for ks in _table.values() for k in ks]
@@ -107,7 +112,10 @@ def choose(node, arrays):
     if not kernels or _state["reference_only"]:
         return None
     backend = "numpy" if get_array_module(*arrays) is numpy else "cupy"
+    allowed = getattr(_local, "only", None)
     for kernel in kernels:
+        if allowed is not None and type(kernel) not in allowed:
+            continue
         if kernel.backend == backend and kernel.applies(node, *arrays):
             used = getattr(_local, "used", None)
             if used is not None:
@@ -147,6 +155,18 @@ def tracking():
         _local.used = before
         if before is not None:
             before |= used
+
+
+@contextlib.contextmanager
+def only(*kernel_classes):
+    """``with kernels.only(K):`` lets only kernels of these classes run in the block (this thread),
+    so that a test or benchmark reaches one kernel where another would be asked first."""
+    before = getattr(_local, "only", None)
+    _local.only = {k if isinstance(k, type) else type(k) for k in kernel_classes}
+    try:
+        yield
+    finally:
+        _local.only = before
 
 
 _defaults = {}  # option -> (default, description), declared by the kernels that read them

@@ -1,0 +1,119 @@
+"""Conv2D on oneDNN (minidl/kernels/cpu/conv_onednn.py) against the reference body on hypothesis
+draws of geometry (strides, pads, dilation, 1x1 to 4x4 kernels), one and two threads, gradients to
+one input only, and where it stands aside (float64, groups, the option off, a geometry oneDNN has
+no primitive for). Skipped where the onednn extra is not installed."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import minidl
+from minidl import kernels, ops, Tensor
+from minidl.kernels.cpu import conv_onednn
+from minidl.kernels.cpu.conv import Conv2DRoutes
+from minidl.kernels.cpu.conv_onednn import Conv2DOneDNN
+from minidl.testing.gradcheck import check_kernels
+
+pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("kernels_on"),
+              pytest.mark.skipif(not Conv2DOneDNN.available, reason="the onednn extra is not installed")]
+
+
+def names(used):
+    return {k.name for k in used}
+
+
+@st.composite
+def geometry(draw):
+    kh, kw = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    stride, dilation = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    h = draw(st.integers((kh - 1) * dilation + 1, 9))
+    wd = draw(st.integers((kw - 1) * dilation + 1, 9))
+    pad = tuple(draw(st.integers(0, 2)) for _ in range(4))
+    shape_x = (draw(st.integers(1, 3)), draw(st.integers(1, 20)), h, wd)
+    o = draw(st.integers(1, 20))
+    return shape_x, (o, shape_x[1], kh, kw), dict(pad_mode="pad", pad=pad, stride=stride, dilation=dilation)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=geometry(), seed=st.integers(0, 2**31 - 1))
+def test_equals_the_reference_on_drawn_geometry(case, seed):
+    x_shape, w_shape, kwargs = case
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
+    used = check_kernels(lambda a, b: ops.Conv2D(w_shape[0], w_shape[2:], **kwargs)(a, b), [x, w], np.float32)
+    assert "Conv2DOneDNN" in names(used)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_resnet_layer_on_one_and_two_threads(threads):
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((8, 32, 16, 16)).astype(np.float32), (rng.standard_normal((32, 32, 3, 3)) / 17).astype(np.float32)
+    before = minidl.get_num_threads()
+    minidl.set_num_threads(threads)
+    try:
+        used = check_kernels(lambda a, b: ops.Conv2D(32, 3, pad_mode="pad", pad=1)(a, b), [x, w], np.float32)
+    finally:
+        minidl.set_num_threads(before)
+    assert names(used) == {"Conv2DOneDNN"}
+
+
+@pytest.mark.parametrize("wanted", ["x", "w"])
+def test_a_gradient_to_one_input_only(wanted):
+    rng = np.random.default_rng(2)
+    x, w = rng.standard_normal((2, 16, 6, 6)).astype(np.float32), rng.standard_normal((8, 16, 3, 3)).astype(np.float32)
+    gy = rng.standard_normal((2, 8, 6, 6)).astype(np.float32)
+
+    def grads():
+        tx, tw = Tensor(x, requires_grad=wanted == "x"), Tensor(w, requires_grad=wanted == "w")
+        ops.Conv2D(8, 3, pad_mode="pad", pad=1)(tx, tw).backward(Tensor(gy))
+        return tx.grad, tw.grad
+    with kernels.tracking() as used:
+        fast = grads()
+    with kernels.reference_only():
+        ref = grads()
+    assert names(used) == {"Conv2DOneDNN"}
+    for f, r in zip(fast, ref):
+        assert (f is None) == (r is None)
+        if f is not None:
+            np.testing.assert_allclose(f.asnumpy(), r.asnumpy(), rtol=1e-4, atol=1e-3)
+
+
+def conv_kernel_of(x, w, **kwargs):
+    with kernels.tracking() as used:
+        ops.Conv2D(w.shape[0], w.shape[2:], **kwargs)(Tensor(x), Tensor(w))
+    return names(used)
+
+
+def test_where_it_stands_aside(monkeypatch):
+    x32, w32 = np.ones((2, 4, 5, 5), np.float32), np.ones((6, 4, 3, 3), np.float32)
+    assert conv_kernel_of(x32, w32) == {"Conv2DOneDNN"}
+    assert conv_kernel_of(x32.astype(np.float64), w32.astype(np.float64)) == {"Conv2DRoutes"}   # float64
+    assert conv_kernel_of(x32, np.ones((6, 2, 3, 3), np.float32), group=2) == {"Conv2DRoutes"}  # groups
+    kernels.set_option("onednn", False)
+    try:
+        assert conv_kernel_of(x32, w32) == {"Conv2DRoutes"}
+    finally:
+        kernels.set_option("onednn", None)
+    # A geometry oneDNN makes no primitive for: conv.py's routes, and it is not asked again.
+    def refuse(*args):
+        raise conv_onednn.dnnl.Error("oneDNN: no primitive (test)")
+    monkeypatch.setattr(conv_onednn, "_Plan", refuse)
+    monkeypatch.setattr(conv_onednn, "_plans", {})
+    assert conv_kernel_of(x32, w32) == {"Conv2DRoutes"}
+    assert list(conv_onednn._plans.values()) == [None]
+
+
+def test_one_plan_per_geometry(monkeypatch):
+    monkeypatch.setattr(conv_onednn, "_plans", {})
+    x, w = np.ones((2, 4, 5, 5), np.float32), np.ones((6, 4, 3, 3), np.float32)
+    for _ in range(3):
+        conv_kernel_of(x, w, pad_mode="pad", pad=1)
+    conv_kernel_of(x, w)  # 'valid': another geometry
+    assert len(conv_onednn._plans) == 2
+
+
+def test_only_steers_the_table_to_one_kernel():
+    x, w = np.ones((2, 4, 5, 5), np.float32), np.ones((6, 4, 3, 3), np.float32)
+    with kernels.only(Conv2DRoutes):
+        assert conv_kernel_of(x, w) == {"Conv2DRoutes"}
+    assert conv_kernel_of(x, w) == {"Conv2DOneDNN"}

@@ -29,6 +29,12 @@ IMPL_INFO = 8  # dnnl_query_impl_info_str
 ARG_SRC, ARG_DST, ARG_WEIGHTS, ARG_DIFF_SRC, ARG_DIFF_DST, ARG_DIFF_WEIGHTS = 1, 17, 33, 129, 145, 161
 FORWARD_TRAINING, CONVOLUTION_DIRECT = 64, 1  # dnnl_forward_training, dnnl_convolution_direct
 _ALIGN = 64  # bytes: oneDNN's kernels read whole cache lines
+# GNU OpenMP's threads spin 300000 times (about 0.1-0.3 ms) after a parallel region by default,
+# on the core the next op's intra-op thread needs: the user-written ResNet-20's step measured
+# 1.09x and 1.11x faster in wall time, 1.4x in CPU time, with no spin (python
+# benchmarks/bench_step_ab.py --model resnet20_user --mode graph --env GOMP_SPINCOUNT=300000,
+# against 0). Set GOMP_SPINCOUNT to override.
+_SPIN = "0"
 
 
 class Error(RuntimeError):
@@ -51,6 +57,9 @@ def _lib():
     if "lib" not in _state:
         _state["lib"] = None
         for path in _paths():
+            # GNU OpenMP reads this once, when it loads: its threads sleep as soon as a primitive ends,
+            # leaving the cores to the intra-op threads' BatchNorm and to MKL (see _SPIN's comment).
+            os.environ.setdefault("GOMP_SPINCOUNT", _SPIN)
             try:
                 lib = ctypes.CDLL(path)
                 gomp = ctypes.CDLL("libgomp.so.1")

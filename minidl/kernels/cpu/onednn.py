@@ -14,6 +14,7 @@ import ctypes
 import glob
 import os
 import sys
+import threading
 
 import numpy
 
@@ -46,6 +47,10 @@ class _Arg(ctypes.Structure):
 
 
 _state = {}
+# One primitive runs at a time: its memory objects (their data pointers set per run), the one
+# stream and oneDNN's default scratchpad (one per process in its default build) are shared. Only
+# minidl_parallel's in-process thread ranks call convolutions from several threads at once.
+_run_lock = threading.Lock()
 
 
 def _paths():
@@ -161,12 +166,14 @@ class Primitive:
         """Runs on {arg slot: array} (arrays laid out as this primitive's descriptors say)."""
         lib = _lib()
         args = (_Arg * len(arrays))()
-        for i, (arg, array) in enumerate(arrays.items()):
-            memory = self.memories[arg]
-            _check(lib.dnnl_memory_set_data_handle(memory, _P(array.ctypes.data)), "dnnl_memory_set_data_handle")
-            args[i] = _Arg(arg, memory)
-        _check(lib.dnnl_primitive_execute(self.handle, _state["stream"], len(arrays), args), "dnnl_primitive_execute")
-        _check(lib.dnnl_stream_wait(_state["stream"]), "dnnl_stream_wait")
+        with _run_lock:
+            for i, (arg, array) in enumerate(arrays.items()):
+                memory = self.memories[arg]
+                _check(lib.dnnl_memory_set_data_handle(memory, _P(array.ctypes.data)), "dnnl_memory_set_data_handle")
+                args[i] = _Arg(arg, memory)
+            _check(lib.dnnl_primitive_execute(self.handle, _state["stream"], len(arrays), args),
+                   "dnnl_primitive_execute")
+            _check(lib.dnnl_stream_wait(_state["stream"]), "dnnl_stream_wait")
 
 
 def primitive_desc(create, *args):

@@ -117,3 +117,25 @@ def test_only_steers_the_table_to_one_kernel():
     with kernels.only(Conv2DRoutes):
         assert conv_kernel_of(x, w) == {"Conv2DRoutes"}
     assert conv_kernel_of(x, w) == {"Conv2DOneDNN"}
+
+
+def test_thread_ranks_running_one_geometry_at_once_get_their_own_results():
+    """minidl_parallel's in-process ranks are threads: convolutions of one plan (shared primitives,
+    memory objects, stream) called from several at once must each see their own arrays."""
+    from minidl_parallel import run_threads
+    rng = np.random.default_rng(4)
+    xs = [rng.standard_normal((4, 16, 16, 16)).astype(np.float32) for _ in range(4)]
+    w = (rng.standard_normal((16, 16, 3, 3)) / 12).astype(np.float32)
+    with kernels.reference_only():
+        want = [ops.Conv2D(16, 3, pad_mode="pad", pad=1)(Tensor(x), Tensor(w)).asnumpy() for x in xs]
+
+    def rank():
+        import minidl_parallel
+        r = minidl_parallel.get_rank()
+        with kernels.reference_only(False), kernels.tracking() as used:
+            outs = [ops.Conv2D(16, 3, pad_mode="pad", pad=1)(Tensor(xs[r]), Tensor(w)).asnumpy() for _ in range(20)]
+        return outs, names(used)
+    for r, (outs, used) in enumerate(run_threads(4, rank, timeout=120)):
+        assert used == {"Conv2DOneDNN"}
+        for out in outs:
+            np.testing.assert_allclose(out, want[r], rtol=1e-4, atol=1e-4)

@@ -15,7 +15,8 @@ runs its primitives on its own OpenMP threads, as many as minidl's intra-op thre
 
 Bound: oneDNN blocks and orders the sums over channels and kernel offsets otherwise than the
 reference's one GEMM: float32 rounding, as conv.py's routes (the same ``BOUND``). float64,
-grouped convolutions, and calls from inside an intra-op thread take conv.py's routes.
+grouped convolutions, calls from inside an intra-op thread, and a process forked after oneDNN
+ran (onednn.py) take conv.py's routes.
 """
 import numpy
 

@@ -90,8 +90,21 @@ def installed():
 
 
 def available():
-    """Whether oneDNN is installed and loads (loading it, once)."""
-    return installed() and _lib() is not None
+    """Whether oneDNN is installed and loads (loading it, once), and this process may use it (see
+    :func:`_after_fork_in_child`)."""
+    return installed() and "forked" not in _state and _lib() is not None
+
+
+def _after_fork_in_child():
+    """GNU OpenMP cannot run a parallel region in a child forked after its threads started: the
+    child waits forever on threads that were not copied. A child of a process that loaded oneDNN
+    therefore leaves it alone, and its convolutions take conv.py's routes (tests/minidl/kernels/
+    test_conv_onednn.py forks one)."""
+    if _state.get("lib") is not None:
+        _state["forked"] = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def threads(n):

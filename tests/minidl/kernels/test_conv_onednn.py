@@ -139,3 +139,30 @@ def test_thread_ranks_running_one_geometry_at_once_get_their_own_results():
         assert used == {"Conv2DOneDNN"}
         for out in outs:
             np.testing.assert_allclose(out, want[r], rtol=1e-4, atol=1e-4)
+
+
+def test_a_child_forked_after_onednn_ran_takes_the_other_routes():
+    """GNU OpenMP hangs a forked child that runs a parallel region after the parent's threads
+    started: the child must not call oneDNN (it runs conv.py's routes), and must finish."""
+    import os
+    import signal
+    x, w = Tensor(np.ones((8, 16, 16, 16), np.float32)), Tensor(np.ones((16, 16, 3, 3), np.float32))
+    conv = ops.Conv2D(16, 3, pad_mode="pad", pad=1)
+    assert conv_kernel_of(x.asnumpy(), w.asnumpy(), pad_mode="pad", pad=1) == {"Conv2DOneDNN"}
+    expected = float(conv(x, w).asnumpy().sum())
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report the kernel and the sum, then leave without pytest's teardown
+        try:
+            signal.alarm(60)
+            with kernels.tracking() as used:
+                total = float(conv(x, w).asnumpy().sum())
+            os.write(write, f"{','.join(sorted(names(used)))} {total}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        report = pipe.read()
+    os.waitpid(pid, 0)
+    used, total = report.split()
+    assert used == "Conv2DRoutes" and float(total) == pytest.approx(expected, rel=1e-5)

@@ -33,6 +33,7 @@ declare_option("onednn", True, "Conv2D on oneDNN's kernels where the onednn extr
                                "ungrouped); False: conv.py's tap and im2col routes")
 
 _plans = {}  # call geometry -> _Plan, or None where oneDNN has no primitive for it
+_MAX_PLANS = 256  # a model with ever new input sizes would keep making plans: start over past this
 
 
 class _Plan:
@@ -88,6 +89,8 @@ def _plan(node, x_shape, w_shape):
     (oh, ow), pads = node.geometry(x_shape)
     key = (x_shape, w_shape, node.stride, node.dilation, pads)
     if key not in _plans:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()  # (nodes recorded for backward keep their own plan)
         try:
             _plans[key] = _Plan(x_shape, w_shape, (x_shape[0], w_shape[0], oh, ow), node.stride, node.dilation, pads)
         except dnnl.Error:

@@ -33,6 +33,8 @@ class Dense(Primitive):
         check_matmul(self.name, x, w, False, True, batched=False)
         if b is not None and (b.ndim != 1 or b.shape[0] != w.shape[0]):
             raise ValueError(f"{self.name}: b of shape {tuple(b.shape)} must be 1-D of length w.shape[0] = {w.shape[0]}")
+        if b is not None and b.dtype != x.dtype:
+            raise TypeError(f"{self.name}: b has dtype {b.dtype} but x and w have dtype {x.dtype}; they must match")
 
     def forward(self, x, w, b=None):
         self._check(x, w, b)

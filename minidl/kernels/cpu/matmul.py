@@ -1,12 +1,12 @@
 """MatMul on MKL's threads, where the ``mkl`` extra is installed.
 
 The reference (minidl/ops/linalg.py) is ``numpy.matmul``: NumPy's OpenBLAS on its own threads.
-On the MLP's GEMMs (batch 256, 784-512-512-10: 0.2-0.5 ms each) MKL's threaded GEMM measured
-~15% faster than OpenBLAS's on 2 cores, and the training step 1.07x (``python
-benchmarks/bench_step_ab.py --model mlp --env MINIDL_BLAS=openblas``: processes of their own,
-since two libraries' spinning thread pools in one process take the cores from each other). The same products as the
-reference, each gradient in its input's layout, through blas.py's direct call on the intra-op
-thread count (1 inside an intra-op thread: an op run by another op's chunk stays on its thread).
+On the MLP's GEMMs (batch 256, 784-512-512-10) MKL's threaded GEMM made the training step
+1.07-1.08x faster than OpenBLAS's on 2 cores (``python benchmarks/bench_step_ab.py --model mlp
+--env MINIDL_BLAS=openblas``: processes of their own, since two libraries' spinning thread pools
+in one process take the cores from each other). The same products as the reference, each
+gradient in its input's layout, through blas.py's direct call on the intra-op thread count (1
+inside an intra-op thread: an op run by another op's chunk stays on its thread).
 
 Bound: another library, so another blocking of the sums: float32 products of a few hundred
 terms of values ~1 differ in the last bits of the sum (relative to the terms' magnitudes).

@@ -205,7 +205,8 @@ class Reorder:
 
     def __init__(self, src, dst):
         pd = _P()
-        engine = (_lib(), _state["engine"])[1]
+        _lib()
+        engine = _state["engine"]
         _check(_state["lib"].dnnl_reorder_primitive_desc_create(ctypes.byref(pd), src.handle, engine, dst.handle,
                                                                 engine, None), "dnnl_reorder_primitive_desc_create")
         self.primitive = Primitive(pd, {ARG_SRC: src, ARG_DST: dst})

@@ -110,5 +110,7 @@ def test_errors():
         ops.Dense()(Tensor(np.ones((2, 2, 3))), w)
     with pytest.raises(TypeError, match="Dense: x has dtype float32 but w has dtype float64"):
         ops.Dense()(Tensor(np.ones((2, 3), np.float32)), w)
+    with pytest.raises(TypeError, match="Dense: b has dtype float32 but x and w have dtype float64; they must match"):
+        ops.Dense()(x, w, Tensor(np.ones(4, np.float32)))
     with pytest.raises(TypeError, match=r"Dense: expected 2 to 3 input\(s\), got 1"):
         ops.Dense()(x)

@@ -13,9 +13,9 @@ from minidl.testing.strategies import shapes, distinct_arrays
 @st.composite
 def three_broadcasting(draw):
     """Shapes of condition, input and other that broadcast together, and their arrays."""
-    base = draw(shapes(max_dims=3, max_side=4))
-    s = [draw(hnp.broadcastable_shapes(base, min_dims=0, max_dims=3, max_side=4)) for _ in range(2)] + [base]
-    s = draw(st.permutations(s))
+    # Mutually broadcastable: two shapes each broadcastable with a third need not be with each other
+    # ((3, 1) and (2,) both go with (1, 1)).
+    s = draw(hnp.mutually_broadcastable_shapes(num_shapes=3, min_dims=0, max_dims=3, max_side=4)).input_shapes
     cond = draw(hnp.arrays(np.bool_, s[0]))
     return cond, draw(distinct_arrays(s[1])), draw(distinct_arrays(s[2]))
 

@@ -161,9 +161,9 @@ def _rows(a):
     it = a.itemsize
     s0, s1 = a.strides
     if s1 == it and s0 % it == 0 and s0 >= max(1, a.shape[1]) * it:
-        return address(a), s0 // it, False
+        return a.__array_interface__["data"][0], s0 // it, False
     if s0 == it and s1 % it == 0 and s1 >= max(1, a.shape[0]) * it:
-        return address(a), s1 // it, True
+        return a.__array_interface__["data"][0], s1 // it, True
     return None
 
 
@@ -172,18 +172,21 @@ def matmul(a, b, out, beta=0.0, threads=1):
     one float dtype through :func:`gemm`, on ``threads`` threads of the library's own; False
     (nothing done) where BLAS cannot take them as they lie. Whether it can depends only on dtypes
     and strides, not on the values."""
-    if not (a.dtype == b.dtype == out.dtype and available(out.dtype) and min(a.shape + b.shape) > 0):
+    # Called once per GEMM of every MatMul and Dense: the library is looked up once, here.
+    name = library()
+    fn = _found[name].get(out.dtype.char) if name else None
+    if fn is None or not a.dtype == b.dtype == out.dtype or not (a.size and b.size):
         return False
     ra, rb, rc = _rows(a), _rows(b), _rows(out)
     if ra is None or rb is None or rc is None or rc[2]:
         return False
     (pa, lda, ta), (pb, ldb, tb) = ra, rb
     m, k = a.shape
-    set_local = _set_local[library()] if threads != 1 else None
+    set_local = _set_local[name] if threads != 1 else None
     previous = set_local(threads) if set_local else None
     try:
-        _functions()[out.dtype.char](_ROW_MAJOR, _TRANS if ta else _NO_TRANS, _TRANS if tb else _NO_TRANS,
-                                     m, b.shape[1], k, 1.0, pa, lda, pb, ldb, beta, rc[0], rc[1])
+        fn(_ROW_MAJOR, _TRANS if ta else _NO_TRANS, _TRANS if tb else _NO_TRANS,
+           m, b.shape[1], k, 1.0, pa, lda, pb, ldb, beta, rc[0], rc[1])
     finally:
         if set_local:
             set_local(previous)

@@ -1,19 +1,22 @@
 """Dense and DenseReLU on NumPy: the bias added by the GEMM, the ReLU in place, one backward sweep.
 
 The reference (minidl/ops/dense.py) is MatMul's product, then ``+= b``, then ``maximum``: three
-passes over the output. Here the output is first filled with b and the GEMM adds the product
-onto it (BLAS's beta = 1, blas.py's direct call on the intra-op thread count, as matmul.py's
-MatMul), then the ReLU runs in place: one write pass instead of two read-write ones.
+passes over the output. Here the GEMM writes the product (blas.py's direct call on the intra-op
+thread count, as matmul.py's MatMul), then one compiled sweep where Numba is installed
+(``minidl[numba]``) adds b and applies the ReLU in place: one read-write pass after the GEMM. (The
+GEMM adding the product onto a copy of b, BLAS's beta = 1, was slower: the copy is a pass too.)
 
 Backward of DenseReLU: the masked gradient ``gy * (y > 0)`` and the bias gradient (its column
-sums) in one compiled sweep where Numba is installed (``minidl[numba]``: one read of gy and y
-instead of NumPy's mixed-type mask multiply and a second pass for the sums), else those two
-passes. Both add the rows in order, as ``sum(axis=0)`` does, so the sweep is the reference's bit
-for bit.
+sums) in one compiled sweep (one read of gy and y instead of NumPy's mixed-type mask multiply and
+a second pass for the sums), else those two passes. Both add the rows in order, as
+``sum(axis=0)`` does, so the sweep is the reference's bit for bit.
 
-Bound: BLAS sums ``b + x w^T`` where the reference rounds ``x w^T`` first, then adds b (one more
-rounding), and another library (MKL) may block the products' sums otherwise: float32 products of
-a few hundred terms of values ~1 differ in the last bits, relative to the terms' magnitudes.
+Both sweeps run on MKL's OpenMP team when the arrays are large (team.py: the MLP's 256 x 512
+activations are), split so that each gives the same bits as on one thread (team_jobs.py).
+
+Bound: another library (MKL) may block the products' sums otherwise than NumPy's matmul: float32
+products of a few hundred terms of values ~1 differ in the last bits, relative to the terms'
+magnitudes. The bias and ReLU are then the reference's, element by element.
 """
 import importlib.util
 
@@ -21,40 +24,48 @@ import numpy
 
 from ...ops.dense import Dense, DenseReLU
 from .. import Kernel, register
-from . import blas
+from . import blas, team
 from .matmul import _product, _threads
 
-__all__ = ["DenseBLAS", "DenseReLUBLAS", "relu_grad"]
+__all__ = ["DenseBLAS", "DenseReLUBLAS", "add_bias_relu", "relu_grad"]
 
 _numba = importlib.util.find_spec("numba") is not None
-_compiled = {}
 
 
-def _masked_sums(gy, y, g, gb):
-    """g = gy where y > 0 else 0, and gb = its column sums, rows added in order (Numba compiles this)."""
-    zero, one = g.dtype.type(0), g.dtype.type(1)
-    for j in range(g.shape[1]):
-        gb[j] = zero
-    for i in range(g.shape[0]):
-        for j in range(g.shape[1]):
-            v = gy[i, j] * (one if y[i, j] > zero else zero)  # as gy * (y > 0): NaN or inf * 0 is NaN
-            g[i, j] = v
-            gb[j] += v
+def add_bias_relu(y, b, relu, compiled=None):
+    """y + b (b None: y), then the ReLU where ``relu``, in y's memory; one compiled sweep where
+    Numba is installed (``compiled``, as relu_grad's; on MKL's OpenMP team, team.py, when large),
+    else NumPy's passes."""
+    if compiled is None:
+        compiled = _numba
+    if b is not None and compiled and y.flags.c_contiguous and b.flags.c_contiguous:
+        from . import team_jobs
+        threads = team.threads(y.nbytes)
+        if threads > 1:
+            team.run(team_jobs.add_bias_relu_job, team_jobs.add_bias_relu_header(y, b, relu), threads)
+        else:
+            team_jobs.add_bias_relu(y, b, relu)
+        return y
+    if b is not None:
+        numpy.add(y, b, out=y)
+    return numpy.maximum(y, 0, out=y) if relu else y
 
 
 def relu_grad(gy, y, compiled=None):
     """(gy * (y > 0), its sums over axis 0) for 2-D arrays; ``compiled`` (default: whether Numba is
-    installed) picks the one sweep over the NumPy passes."""
+    installed) picks the one sweep (on the team when large) over the NumPy passes."""
     if compiled is None:
         compiled = _numba
     if not compiled or not (gy.flags.c_contiguous and y.flags.c_contiguous):
         g = gy * (y > 0)
         return g, g.sum(axis=0)
-    if not _compiled:
-        import numba
-        _compiled["masked_sums"] = numba.njit(nogil=True, cache=True)(_masked_sums)
+    from . import team_jobs
     g, gb = numpy.empty_like(y), numpy.empty(y.shape[1], dtype=y.dtype)
-    _compiled["masked_sums"](gy, y, g, gb)
+    threads = team.threads(y.nbytes)
+    if threads > 1:
+        team.run(team_jobs.masked_sums_job, team_jobs.masked_sums_header(gy, y, g, gb), threads)
+    else:
+        team_jobs.masked_sums(gy, y, g, gb)
     return g, gb
 
 
@@ -71,12 +82,12 @@ class _DenseBLAS(Kernel):
         node._check(x, w, b)
         node.x, node.w = x, w
         y = numpy.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
-        if b is not None:
-            y[...] = b
-        if not blas.matmul(x, w.T, y, beta=0.0 if b is None else 1.0, threads=_threads()):
-            y = x @ w.T if b is None else numpy.add(x @ w.T, b, out=y)
+        if not blas.matmul(x, w.T, y, threads=_threads()):
+            numpy.matmul(x, w.T, out=y)
+        if b is not None or self.relu:
+            add_bias_relu(y, b, self.relu)
         if self.relu:
-            node.y = numpy.maximum(y, 0, out=y)
+            node.y = y
         return y
 
     def backward(self, node, gy):

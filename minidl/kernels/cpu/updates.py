@@ -3,9 +3,10 @@
 The reference (minidl/ops/updates.py) makes four NumPy passes over a parameter (accumulation
 scaled, gradient added, the step, the subtraction) and a temporary; for the MLP's 670k
 parameters that was 14% of its training step (benchmarks/profile_step.py --model mlp). One loop
-reads each element of the variable, accumulation and gradient once and writes the first two, in
-the reference's order of operations per element (no FMA contraction): bit for bit the reference.
-Numba is imported at the first call, not with minidl.
+(team_jobs.py's ``_momentum``) reads each element of the variable, accumulation and gradient
+once and writes the first two, in the reference's order of operations per element (no FMA
+contraction): bit for bit the reference. A large parameter's pass runs on MKL's OpenMP team
+(team.py), elementwise, so also bit for bit. Numba is imported at the first call, not with minidl.
 """
 import importlib.util
 
@@ -13,31 +14,9 @@ import numpy
 
 from ...ops.updates import ApplyMomentum
 from .. import Kernel, register
+from . import team
 
 __all__ = ["ApplyMomentumLoop"]
-
-_compiled = {}
-
-
-def _loop():
-    if not _compiled:
-        import numba
-        _compiled["momentum"] = numba.njit(nogil=True, cache=True)(_momentum)
-    return _compiled["momentum"]
-
-
-def _momentum(w, v, g, lr, m, nesterov):
-    for i in range(w.size):
-        a = v[i] * m
-        a += g[i]
-        v[i] = a
-        if nesterov:
-            s = a * m
-            s += g[i]
-            s *= lr
-        else:
-            s = a * lr
-        w[i] -= s
 
 
 @register
@@ -53,9 +32,15 @@ class ApplyMomentumLoop(Kernel):
                 and variable.shape == accumulation.shape == gradient.shape)
 
     def forward(self, node, variable, accumulation, learning_rate, gradient, momentum, scratch=None):
-        scalar = variable.dtype.type  # NumPy takes a Python number as the arrays' dtype (NEP 50)
-        _loop()(variable.reshape(-1), accumulation.reshape(-1), gradient.reshape(-1), scalar(learning_rate),
-                scalar(momentum), node.use_nesterov)
+        from . import team_jobs
+        w, v, g = variable.reshape(-1), accumulation.reshape(-1), gradient.reshape(-1)
+        threads = team.threads(w.nbytes)
+        if threads > 1:
+            team.run(team_jobs.momentum_job,
+                     team_jobs.momentum_header(w, v, g, learning_rate, momentum, node.use_nesterov), threads)
+        else:
+            scalar = variable.dtype.type  # NumPy takes a Python number as the arrays' dtype (NEP 50)
+            team_jobs.momentum(w, v, g, scalar(learning_rate), scalar(momentum), node.use_nesterov)
         return variable
 
     def cases(self):

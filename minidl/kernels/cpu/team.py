@@ -1,0 +1,83 @@
+"""Elementwise passes on the OpenMP team that MKL's GEMMs run on.
+
+Why. On the MLP, a training step is GEMMs on MKL's threads with a few memory-bound passes
+between them (the bias and ReLU, the ReLU's masked gradient, the optimizer's update). Those
+passes ran on one core. MKL's OpenMP team is still spinning on the other cores then (for
+``KMP_BLOCKTIME`` after each GEMM, blas.py), so waking minidl's own intra-op pool for them
+only made its threads fight the spinning team for the cores (a slower step). Handing the pass
+to that team instead costs one OpenMP fork/join on threads already awake (about 15 us), and two
+cores bring twice one core's memory bandwidth: ``python benchmarks/bench_step_ab.py --model mlp
+--mode graph --option team=False`` measures what it buys.
+
+How. A job (team_jobs.py) is a Numba ``cfunc`` taking one pointer: a small int64 array, the
+*header*, that holds the arrays' addresses, sizes and scalars. :func:`run` calls the OpenMP
+runtime's ``GOMP_parallel(job, header, threads)`` through ctypes (which releases the GIL); each
+team thread claims chunks of the pass from the header and runs the serial kernel's own compiled
+loop on them, so a pass gives the same bits on the team or not (team_jobs.py says why).
+
+The runtime is Intel OpenMP (libiomp5, which also speaks GCC's ``GOMP_*`` entry points), as
+loaded by blas.py for MKL. Without MKL and Numba (the ``mkl`` and ``numba`` extras) there is no
+team: :func:`available` is false and the kernels run their passes on the calling thread. Also
+serial: a call from an intra-op pool thread (it is already one of several), and, through
+:func:`threads`, passes below ``team_min_bytes``.
+"""
+import ctypes
+import glob
+import importlib.util
+import os
+import sys
+
+import numpy
+
+from ... import _intra_op as intra_op
+from .. import declare_option, get_option
+from . import blas
+
+__all__ = ["available", "threads", "run"]
+
+declare_option("team", True, "run the dense and optimizer kernels' elementwise passes on MKL's OpenMP "
+               "team (needs the mkl and numba extras); False: on the calling thread")
+# A pass over the MLP's 512-wide bias (2 KiB) is far cheaper than a fork/join; its 1 MiB weights
+# gain. The smallest size that gains depends on the machine's memory: an option, not a constant.
+declare_option("team_min_bytes", 256 << 10,
+               "the smallest pass (bytes of its largest array) handed to the OpenMP team")
+
+_state = {}  # "runtime": (GOMP_parallel,), or None when absent
+
+
+def _iomp_paths():
+    return sorted(glob.glob(os.path.join(sys.prefix, "lib", "libiomp5.so*")))
+
+
+def _runtime():
+    if "runtime" not in _state:
+        found = None
+        if importlib.util.find_spec("numba") is not None and blas.load("mkl") and _iomp_paths():
+            lib = ctypes.CDLL(_iomp_paths()[0])  # the copy MKL loaded (the same file: the same library)
+            fork_join = lib.GOMP_parallel
+            fork_join.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+            fork_join.restype = None
+            found = (fork_join,)
+        _state["runtime"] = found
+    return _state["runtime"]
+
+
+def available():
+    """Whether passes can run on the team: the ``team`` option on, MKL, its OpenMP and Numba found."""
+    return bool(get_option("team")) and _runtime() is not None
+
+
+def threads(nbytes):
+    """How many team threads a pass over ``nbytes`` (its largest array) should use; 1 means run it
+    on the calling thread, without the team."""
+    if nbytes < get_option("team_min_bytes") or intra_op.in_worker() or not available():
+        return 1
+    return intra_op.get_num_threads()
+
+
+def run(job, head, n_threads):
+    """Runs team job ``job`` (a cfunc of team_jobs.py) on ``n_threads`` threads of the team (the
+    caller is one of them) over ``n_threads`` chunks, with the header ``head`` (team_jobs.py's
+    ``*_header`` filled it); returns when every chunk is done."""
+    head[0], head[1] = 0, n_threads
+    _runtime()[0](job.address, head.ctypes.data, n_threads, 0)

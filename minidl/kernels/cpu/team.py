@@ -27,7 +27,6 @@ import importlib.util
 import os
 import sys
 
-
 from ... import _intra_op as intra_op
 from .. import declare_option, get_option
 from . import blas

@@ -21,6 +21,7 @@ _FREED_MESSAGE = ("Trying to backward through the graph a second time (or direct
 # What a freed node keeps: its configuration (axis, transpose_b, dtype, strategies...), so that
 # it still prints. Anything else (arrays, tensors, closures, lists) was saved for backward.
 _CONFIG_TYPES = (bool, int, float, complex, str, bytes, type, numpy.dtype)
+_PLAIN_CONFIG = frozenset((type(None), bool, int, float, str))  # the exact types most values have: no isinstance
 
 
 class _FreedInputs(tuple):
@@ -42,7 +43,7 @@ def _is_config(value):
 def _release(node):
     """Frees what node saved for backward; later backward passes through it raise RuntimeError."""
     d = node.__dict__
-    for key in [k for k, v in d.items() if not _is_config(v)]:
+    for key in [k for k, v in d.items() if type(v) not in _PLAIN_CONFIG and not _is_config(v)]:
         del d[key]  # also an instance ``backward`` (minidl_parallel wraps nodes' backward so)
     d["inputs"] = _FREED
 
@@ -147,6 +148,8 @@ def _owned_array(g):
     Backward rules may return broadcast views of gy (sum, mean) or NumPy scalars (0-d
     arithmetic); optimizers, reducers and MPI buffers need real, writeable memory.
     """
+    if type(g) is numpy.ndarray and g.flags.c_contiguous and g.flags.writeable:
+        return g  # the common case, checked first: this runs for every parameter on every step
     from .backend import get_array_module
     xp = get_array_module(g)
     if not isinstance(g, xp.ndarray):

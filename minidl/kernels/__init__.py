@@ -84,7 +84,16 @@ class Kernel:
 _table = {}  # primitive class -> [Kernel, ...] in registration order
 _state = {"reference_only": os.environ.get("MINIDL_KERNELS", "").lower() == "reference"}
 _options = {}
-_local = threading.local()
+
+
+class _Local(threading.local):
+    only = None  # kernel classes ``only`` allows, or None: all
+    used = None  # the set ``tracking`` fills, or None
+    # Class-level defaults: a missing threading.local attribute raises inside getattr, several
+    # times slower to read, and choose reads both on every op call.
+
+
+_local = _Local()
 
 
 def register(kernel_class):
@@ -112,12 +121,12 @@ def choose(node, arrays):
     if not kernels or _state["reference_only"]:
         return None
     backend = "numpy" if get_array_module(*arrays) is numpy else "cupy"
-    allowed = getattr(_local, "only", None)
+    allowed = _local.only
     for kernel in kernels:
         if allowed is not None and type(kernel) not in allowed:
             continue
         if kernel.backend == backend and kernel.applies(node, *arrays):
-            used = getattr(_local, "used", None)
+            used = _local.used
             if used is not None:
                 used.add(kernel)
             return kernel

@@ -35,7 +35,7 @@ import numpy
 
 from .. import backend, kernels
 from ..runtime import LOCAL, get_runtime
-from ..tensor import Tensor, is_grad_enabled
+from ..tensor import Tensor, _grad_mode
 
 _graph_call = None  # fn(prim, args) while GRAPH_MODE is on (minidl/graph_mode.py), else None
 
@@ -103,8 +103,8 @@ class Primitive:
         if isinstance(out, numpy.generic):
             out = numpy.asarray(out)  # 0-d numpy arithmetic returns scalars; tensors hold arrays
         # Integer and bool outputs (comparisons, argmax-like ops) carry no gradient.
-        if is_grad_enabled() and out.dtype.kind in "fc" and self.differentiable:
-            inputs = tuple((i, a) for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad)
+        if _grad_mode.enabled and self.differentiable and out.dtype.kind in "fc":  # (is_grad_enabled(), inlined)
+            inputs = tuple([(i, a) for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad])
             if inputs:
                 needs = [False] * len(args)
                 for i, _ in inputs:

@@ -39,7 +39,7 @@ def add_bias_relu(y, b, relu, compiled=None):
     if compiled is None:
         compiled = _numba
     if b is not None and compiled and y.flags.c_contiguous and b.flags.c_contiguous:
-        from . import team_jobs
+        team_jobs = team.jobs()
         threads = team.threads(y.nbytes)
         if threads > 1:
             team.run(team_jobs.add_bias_relu_job, team_jobs.add_bias_relu_header(y, b, relu), threads)
@@ -59,7 +59,7 @@ def relu_grad(gy, y, compiled=None):
     if not compiled or not (gy.flags.c_contiguous and y.flags.c_contiguous):
         g = gy * (y > 0)
         return g, g.sum(axis=0)
-    from . import team_jobs
+    team_jobs = team.jobs()
     g, gb = numpy.empty_like(y), numpy.empty(y.shape[1], dtype=y.dtype)
     threads = team.threads(y.nbytes)
     if threads > 1:

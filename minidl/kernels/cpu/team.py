@@ -31,14 +31,17 @@ from ... import _intra_op as intra_op
 from .. import declare_option, get_option
 from . import blas
 
-__all__ = ["available", "threads", "run"]
+__all__ = ["available", "threads", "run", "jobs"]
 
 declare_option("team", True, "run the dense and optimizer kernels' elementwise passes on MKL's OpenMP "
                "team (needs the mkl and numba extras); False: on the calling thread")
-# A pass over the MLP's 512-wide bias (2 KiB) is far cheaper than a fork/join; its 1 MiB weights
-# gain. The smallest size that gains depends on the machine's memory: an option, not a constant.
-declare_option("team_min_bytes", 256 << 10,
-               "the smallest pass (bytes of its largest array) handed to the OpenMP team")
+# A pass whose arrays fit in one core's L2 runs from that cache: a second core would fetch its
+# part from L3 first, and the fork/join costs more than the split saves (the MLP's 512 KiB
+# activations on a 2 MiB L2 gained nothing; its momentum over 1 and 1.6 MiB weights, three arrays
+# each, did). So from half the L2 (sysfs) on; an option, to measure another threshold.
+declare_option("team_min_bytes", intra_op.l2_bytes() // 2,
+               "the smallest pass (bytes of its largest array) handed to the OpenMP team "
+               "(default: half this machine's L2, from sysfs)")
 
 _state = {}  # "runtime": (GOMP_parallel,), or None when absent
 
@@ -68,9 +71,18 @@ def available():
 def threads(nbytes):
     """How many team threads a pass over ``nbytes`` (its largest array) should use; 1 means run it
     on the calling thread, without the team."""
-    if nbytes < get_option("team_min_bytes") or intra_op.in_worker() or not available():
+    if nbytes < get_option("team_min_bytes") or not available() or intra_op.in_worker():
         return 1
     return intra_op.get_num_threads()
+
+
+def jobs():
+    """team_jobs.py (imported at the first compiled pass: it imports Numba)."""
+    module = _state.get("jobs")
+    if module is None:
+        from . import team_jobs as module
+        _state["jobs"] = module
+    return module
 
 
 def run(job, head, n_threads):

@@ -81,14 +81,18 @@ def _add_bias_relu(y, b, relu):
 
 @_plain
 def _masked_sums(gy, y, g, gb, j0, j1):
+    # Row by row over contiguous slices of columns j0..j1: a loop Numba vectorises (indexing the
+    # 2-D arrays with a variable column range measured 5x slower).
     zero, one = g.dtype.type(0), g.dtype.type(1)
-    for j in range(j0, j1):
-        gb[j] = zero
+    sums = gb[j0:j1]
+    for j in range(sums.size):
+        sums[j] = zero
     for i in range(g.shape[0]):
-        for j in range(j0, j1):
-            v = gy[i, j] * (one if y[i, j] > zero else zero)  # as gy * (y > 0): NaN or inf * 0 is NaN
-            g[i, j] = v
-            gb[j] += v
+        gy_i, y_i, g_i = gy[i, j0:j1], y[i, j0:j1], g[i, j0:j1]
+        for j in range(g_i.size):
+            v = gy_i[j] * (one if y_i[j] > zero else zero)  # as gy * (y > 0): NaN or inf * 0 is NaN
+            g_i[j] = v
+            sums[j] += v
 
 
 # ---- serial calls (the caller's thread) -----------------------------------------------------
@@ -120,16 +124,17 @@ def momentum_header(w, v, g, lr, m, nesterov):
 def momentum_job(data):
     h = carray(data, 10, numpy.int64)
     f = carray(data, 10, numpy.float64)
-    n, chunks = h[5], h[1]
+    n, size, chunks = h[5], h[6], h[1]
     c = _claim(data)
     while c < chunks:
         lo, hi = c * n // chunks, (c + 1) * n // chunks
-        if h[6] == _F32:
-            _momentum(carray(_pointer(h[2], numba.float32), n)[lo:hi], carray(_pointer(h[3], numba.float32), n)[lo:hi],
-                      carray(_pointer(h[4], numba.float32), n)[lo:hi], numpy.float32(f[8]), numpy.float32(f[9]), h[7] != 0)
+        w, v, g = h[2] + lo * size, h[3] + lo * size, h[4] + lo * size  # the chunk's own arrays
+        if size == _F32:
+            _momentum(carray(_pointer(w, numba.float32), hi - lo), carray(_pointer(v, numba.float32), hi - lo),
+                      carray(_pointer(g, numba.float32), hi - lo), numpy.float32(f[8]), numpy.float32(f[9]), h[7] != 0)
         else:
-            _momentum(carray(_pointer(h[2], numba.float64), n)[lo:hi], carray(_pointer(h[3], numba.float64), n)[lo:hi],
-                      carray(_pointer(h[4], numba.float64), n)[lo:hi], f[8], f[9], h[7] != 0)
+            _momentum(carray(_pointer(w, numba.float64), hi - lo), carray(_pointer(v, numba.float64), hi - lo),
+                      carray(_pointer(g, numba.float64), hi - lo), f[8], f[9], h[7] != 0)
         c = _claim(data)
 
 
@@ -143,16 +148,17 @@ def add_bias_relu_header(y, b, relu):
 @_job
 def add_bias_relu_job(data):
     h = carray(data, 8, numpy.int64)
-    rows, cols, chunks = h[4], h[5], h[1]
+    rows, cols, size, chunks = h[4], h[5], h[6], h[1]
     c = _claim(data)
     while c < chunks:
         lo, hi = c * rows // chunks, (c + 1) * rows // chunks
-        if h[6] == _F32:
-            _add_bias_relu(carray(_pointer(h[2], numba.float32), (rows, cols))[lo:hi],
-                           carray(_pointer(h[3], numba.float32), cols), h[7] != 0)
+        y = h[2] + lo * cols * size  # the chunk's rows as an array of their own
+        if size == _F32:
+            _add_bias_relu(carray(_pointer(y, numba.float32), (hi - lo, cols)), carray(_pointer(h[3], numba.float32), cols),
+                           h[7] != 0)
         else:
-            _add_bias_relu(carray(_pointer(h[2], numba.float64), (rows, cols))[lo:hi],
-                           carray(_pointer(h[3], numba.float64), cols), h[7] != 0)
+            _add_bias_relu(carray(_pointer(y, numba.float64), (hi - lo, cols)), carray(_pointer(h[3], numba.float64), cols),
+                           h[7] != 0)
         c = _claim(data)
 
 

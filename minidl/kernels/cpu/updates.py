@@ -32,7 +32,7 @@ class ApplyMomentumLoop(Kernel):
                 and variable.shape == accumulation.shape == gradient.shape)
 
     def forward(self, node, variable, accumulation, learning_rate, gradient, momentum, scratch=None):
-        from . import team_jobs
+        team_jobs = team.jobs()
         w, v, g = variable.reshape(-1), accumulation.reshape(-1), gradient.reshape(-1)
         threads = team.threads(w.nbytes)
         if threads > 1:

@@ -1,7 +1,7 @@
 """Momentum SGD as MindSpore's nn.Momentum (the ApplyMomentum rule)."""
 import numbers
 
-from ..ops.updates import ApplyMomentum
+from ..ops.updates import ApplyMomentum, MultiApplyMomentum
 from .optimizer import Optimizer
 
 __all__ = ["Momentum"]
@@ -39,7 +39,16 @@ class Momentum(Optimizer):
         self.use_nesterov = use_nesterov
         self._moments = [self._new_buffer("moments", i) for i in range(len(self.parameters))]
         self._apply_momentum = ApplyMomentum(use_nesterov=use_nesterov)
+        self._apply_momentum_many = MultiApplyMomentum(use_nesterov=use_nesterov)
 
     def _update(self, i, w, g, lr):
         # ops.ApplyMomentum, as MindSpore's nn.Momentum: its kernel makes the update one pass.
         self._apply_momentum.apply(w, self._moments[i].data, lr, g, self.momentum, self._scratch(w, 1))
+
+    def _update_many(self, items, lr):
+        # One op call for all of them (its kernel makes them one pass, split over the threads):
+        # per-parameter calls cost more than the small parameters' arithmetic.
+        if len(items) < 2:
+            return super()._update_many(items, lr)
+        self._apply_momentum_many.apply(tuple(w for _, w, _ in items), tuple(self._moments[i].data for i, _, _ in items),
+                                        lr, tuple(g for _, _, g in items), self.momentum)

@@ -212,10 +212,16 @@ class Optimizer:
         """Work buffer k viewed with w's shape: reused every step, so an update allocates nothing."""
         xp = backend.get_array_module(w)
         key = (xp.__name__, w.dtype.str, k)
+        view = self._work.get((key, w.shape))  # the view too is made once: this runs per parameter per step
+        if view is not None:
+            return view
         buf = self._work.get(key)
         if buf is None or buf.size < w.size:
+            for old in [k for k in self._work if k[0] == key]:
+                del self._work[old]  # the views of a replaced buffer go with it
             buf = self._work[key] = xp.empty(max(self._max_size, w.size), dtype=w.dtype)
-        return buf[:w.size].reshape(w.shape)
+        view = self._work[(key, w.shape)] = buf[:w.size].reshape(w.shape)
+        return view
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -313,13 +319,20 @@ class Optimizer:
         step = self.global_step
         lrs = [_lr_at(g["lr"], step) for g in self.param_groups]
         inv_scale = 1.0 / self.loss_scale
+        together = {}  # group -> [(i, w, g)]: parameters whose effective gradient is their gradient
         for i, (p, g) in enumerate(zip(self.parameters, grads)):
             if g is None:
                 continue
             group = self._group_of[i]
             wd = self.param_groups[group]["weight_decay"] if self._decay[i] else 0.0
             w = p.data
-            self._update(i, w, self._effective_grad(w, g, wd, inv_scale), lrs[group])
+            effective = self._effective_grad(w, g, wd, inv_scale)
+            if effective is g:
+                together.setdefault(group, []).append((i, w, g))
+            else:  # in work buffer 0, which the next parameter's reuses: now
+                self._update(i, w, effective, lrs[group])
+        for group, items in together.items():
+            self._update_many(items, lrs[group])
         self._host_array(self._global_step)[0] += 1
 
     def _follow_parameter_layouts(self):
@@ -348,6 +361,13 @@ class Optimizer:
             xp.multiply(w, wd, out=t)
             s += t
         return s
+
+    def _update_many(self, items, lr):
+        """Updates the parameters ``items`` = [(i, w, g)] of one learning rate, each as _update; a
+        subclass may do them in one call (nn.Momentum: MultiApplyMomentum). Their g are the
+        callers' own arrays (no work buffer), so all can be held at once."""
+        for i, w, g in items:
+            self._update(i, w, g, lr)
 
     def _update(self, i, w, g, lr):
         """Updates parameter i in place: w is its array, g its effective gradient (read-only:

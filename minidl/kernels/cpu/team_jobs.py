@@ -138,6 +138,45 @@ def momentum_job(data):
         c = _claim(data)
 
 
+def momentum_multi_header(ws, vs, gs, lr, m, nesterov):
+    """The header of :data:`momentum_multi_job` over parameters k = 0.. with flat arrays ws[k],
+    vs[k], gs[k] of one dtype: the range is their elements end to end."""
+    count = len(ws)
+    head = numpy.zeros(8 + 4 * count, dtype=numpy.int64)
+    head[2:5] = (count, ws[0].itemsize if count else _F32, nesterov)
+    head.view(numpy.float64)[5:7] = (lr, m)
+    for k, (w, v, g) in enumerate(zip(ws, vs, gs)):
+        head[8 + 4 * k:12 + 4 * k] = (w.ctypes.data, v.ctypes.data, g.ctypes.data, w.size)
+    head[7] = sum(w.size for w in ws)
+    return head
+
+
+@_job
+def momentum_multi_job(data):
+    count = carray(data, 8, numpy.int64)[2]
+    h = carray(data, 8 + 4 * count, numpy.int64)
+    f = carray(data, 8, numpy.float64)
+    size, total, chunks, nesterov = h[3], h[7], h[1], h[4] != 0
+    c = _claim(data)
+    while c < chunks:
+        lo, hi = c * total // chunks, (c + 1) * total // chunks  # of all the elements, end to end
+        start = 0
+        for k in range(count):
+            n = h[11 + 4 * k]
+            a, b = max(lo - start, 0), min(hi - start, n)  # this parameter's part of the chunk
+            if a < b:
+                w, v, g = h[8 + 4 * k] + a * size, h[9 + 4 * k] + a * size, h[10 + 4 * k] + a * size
+                if size == _F32:
+                    _momentum(carray(_pointer(w, numba.float32), b - a), carray(_pointer(v, numba.float32), b - a),
+                              carray(_pointer(g, numba.float32), b - a), numpy.float32(f[5]), numpy.float32(f[6]),
+                              nesterov)
+                else:
+                    _momentum(carray(_pointer(w, numba.float64), b - a), carray(_pointer(v, numba.float64), b - a),
+                              carray(_pointer(g, numba.float64), b - a), f[5], f[6], nesterov)
+            start += n
+        c = _claim(data)
+
+
 def add_bias_relu_header(y, b, relu):
     """The header of :data:`add_bias_relu_job` (y C-contiguous 2-D, b 1-D contiguous)."""
     head = numpy.zeros(8, dtype=numpy.int64)

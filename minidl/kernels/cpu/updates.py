@@ -1,4 +1,4 @@
-"""ApplyMomentum in one pass, compiled by Numba (optional: ``minidl[numba]``).
+"""ApplyMomentum (and MultiApplyMomentum) in one pass, compiled by Numba (optional: ``minidl[numba]``).
 
 The reference (minidl/ops/updates.py) makes four NumPy passes over a parameter (accumulation
 scaled, gradient added, the step, the subtraction) and a temporary; for the MLP's 670k
@@ -6,17 +6,20 @@ parameters that was 14% of its training step (benchmarks/profile_step.py --model
 (team_jobs.py's ``_momentum``) reads each element of the variable, accumulation and gradient
 once and writes the first two, in the reference's order of operations per element (no FMA
 contraction): bit for bit the reference. A large parameter's pass runs on MKL's OpenMP team
-(team.py), elementwise, so also bit for bit. Numba is imported at the first call, not with minidl.
+(team.py), elementwise, so also bit for bit. MultiApplyMomentum's kernel makes all its
+parameters one range, split over the team as one pass (or, without a team, loops over them on
+the calling thread). Numba is imported at the first call, not with minidl.
 """
 import importlib.util
 
 import numpy
 
-from ...ops.updates import ApplyMomentum
+from ...ops.updates import ApplyMomentum, MultiApplyMomentum, arrays_of
+from ...tensor import Tensor
 from .. import Kernel, register
 from . import team
 
-__all__ = ["ApplyMomentumLoop"]
+__all__ = ["ApplyMomentumLoop", "MultiApplyMomentumLoop"]
 
 
 @register
@@ -53,3 +56,59 @@ class ApplyMomentumLoop(Kernel):
                 arrays += [rng.standard_normal((33, 17)).astype(dtype), 0.9]
                 out.append(((lambda n: lambda: ApplyMomentum(use_nesterov=n))(nesterov), arrays))
         return out
+
+
+def _plain(a, w, dtype):
+    """Whether a is a C-contiguous NumPy array of ``dtype`` and w's shape."""
+    return isinstance(a, numpy.ndarray) and a.flags.c_contiguous and a.dtype == dtype and a.shape == w.shape
+
+
+@register
+class MultiApplyMomentumLoop(Kernel):
+    op, backend = MultiApplyMomentum, "numpy"
+    available = ApplyMomentumLoop.available
+
+    def applies(self, node, variables, accumulations, learning_rate, gradients, momentum):
+        variables, accumulations, gradients = arrays_of(variables), arrays_of(accumulations), arrays_of(gradients)
+        if not (self.available and variables and len(variables) == len(accumulations) == len(gradients)):
+            return False
+        dtype = getattr(variables[0], "dtype", None)
+        return (dtype is not None and dtype.char in "fd"
+                and all(_plain(a, w, dtype) for w, v, g in zip(variables, accumulations, gradients) for a in (w, v, g)))
+
+    def forward(self, node, variables, accumulations, learning_rate, gradients, momentum):
+        team_jobs = team.jobs()
+        ws = [w.reshape(-1) for w in arrays_of(variables)]
+        vs = [v.reshape(-1) for v in arrays_of(accumulations)]
+        gs = [g.reshape(-1) for g in arrays_of(gradients)]
+        threads = team.threads(sum(w.nbytes for w in ws))
+        if threads > 1:
+            head = team_jobs.momentum_multi_header(ws, vs, gs, learning_rate, momentum, node.use_nesterov)
+            team.run(team_jobs.momentum_multi_job, head, threads)
+        else:
+            scalar = ws[0].dtype.type
+            lr, m = scalar(learning_rate), scalar(momentum)
+            for w, v, g in zip(ws, vs, gs):
+                team_jobs.momentum(w, v, g, lr, m, node.use_nesterov)
+        return variables
+
+    def cases(self):
+        # As flat argument lists (what the differential harness hands over): w1..wn, v1..vn, g1..gn,
+        # compared through the updated w's and v's, end to end.
+        rng = numpy.random.default_rng(5)
+        shapes = [(33, 17), (7,), (300, 41)]
+        out = []
+        for dtype in (numpy.float32, numpy.float64):
+            for nesterov in (False, True):
+                arrays = [rng.standard_normal(s).astype(dtype) for _ in range(3) for s in shapes]
+                out.append(((lambda n: lambda: _updated_state(n, len(shapes)))(nesterov), arrays))
+        return out
+
+
+def _updated_state(nesterov, n):
+    """fn(w1..wn, v1..vn, g1..gn) -> the w's and v's after one MultiApplyMomentum, raveled end to end."""
+    def run(*tensors):
+        ws, vs, gs = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
+        MultiApplyMomentum(use_nesterov=nesterov)(ws, vs, 0.05, gs, 0.9)
+        return Tensor(numpy.concatenate([t.asnumpy().ravel() for t in ws + vs]))
+    return run

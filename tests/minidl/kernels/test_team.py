@@ -119,3 +119,20 @@ def test_a_forked_child_runs_team_passes():
         os._exit(0 if same(dense.add_bias_relu(y.copy(), b, True), want) else 3)
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
+
+
+@given(sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=6), dtype=dtypes, nesterov=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_momentum_over_several_parameters_on_the_team_is_per_parameter_bit_for_bit(sizes, dtype, nesterov, seed):
+    # MultiApplyMomentum's kernel makes the parameters one range, its chunks cutting across them.
+    rng = np.random.default_rng(seed)
+    ws, vs, gs = ([draw(rng, (n,), dtype, specials=False) for n in sizes] for _ in range(3))
+    many = [w.copy() for w in ws], [v.copy() for v in vs]
+    with kernels.tracking() as used:
+        ops.MultiApplyMomentum(use_nesterov=nesterov)(*many[:1], many[1], 0.05, gs, 0.9)
+    assert {k.name for k in used} == {"MultiApplyMomentumLoop"}
+    with kernels.reference_only():
+        for w, v, g in zip(ws, vs, gs):
+            ops.ApplyMomentum(use_nesterov=nesterov)(w, v, 0.05, g, 0.9)
+    for w, v, w_many, v_many in zip(ws, vs, *many):
+        assert same(w_many, w) and same(v_many, v)

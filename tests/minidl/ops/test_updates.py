@@ -51,3 +51,26 @@ def test_a_scratch_buffer_changes_nothing_but_where_the_step_is_computed(nestero
         ops.ApplyMomentum(use_nesterov=nesterov)(*with_scratch[:2], 0.1, g, 0.9, scratch)
     for a, b in zip(plain, with_scratch):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("reference", [False, True])
+def test_multi_apply_momentum_is_apply_momentum_per_parameter(nesterov, reference):
+    rng = np.random.default_rng(2)
+    shapes = [(5, 3), (4,), (2, 2, 2)]
+    for dtype in (np.float32, np.float64):
+        ws, vs, gs = ([rng.standard_normal(s).astype(dtype) for s in shapes] for _ in range(3))
+        one = [(w.copy(), v.copy()) for w, v in zip(ws, vs)]
+        many = [w.copy() for w in ws], [v.copy() for v in vs]
+        with kernels.reference_only(reference):
+            for (w, v), g in zip(one, gs):
+                ops.ApplyMomentum(use_nesterov=nesterov)(w, v, 0.1, g, 0.9)
+            ops.MultiApplyMomentum(use_nesterov=nesterov)([Tensor(w) for w in many[0]], many[1], 0.1, gs, 0.9)
+        for (w, v), w_many, v_many in zip(one, *many):
+            np.testing.assert_array_equal(w_many, w)
+            np.testing.assert_array_equal(v_many, v)
+
+
+def test_multi_apply_momentum_needs_one_entry_of_each_per_parameter():
+    with pytest.raises(ValueError, match="MultiApplyMomentum: got 2 variables, 2 accumulations and 1 gradients"):
+        ops.MultiApplyMomentum()([np.ones(2)] * 2, [np.zeros(2)] * 2, 0.1, [np.ones(2)], 0.9)

@@ -352,3 +352,23 @@ def test_schedule_argument_errors():
         PiecewiseConstantLR([2, 5], [0.1])
     with pytest.raises(ValueError, match="learning_rate must be > 0"):
         ExponentialDecayLR(0.0, 0.9, 2)
+
+
+def test_momentum_updates_plain_gradients_in_one_call_and_the_rest_one_by_one():
+    # Without weight decay or loss scale a parameter's gradient is its own array: nn.Momentum
+    # hands those to one MultiApplyMomentum per learning rate; a decayed one takes ApplyMomentum.
+    rng = np.random.default_rng(4)
+    params = [Parameter(rng.standard_normal(s), name=n) for s, n in (((3, 2), "w"), ((2,), "b"), ((4,), "gamma"))]
+    grads = [rng.standard_normal(p.shape) for p in params]
+    start = [p.asnumpy().copy() for p in params]
+    opt = Momentum([{"params": params[:2], "weight_decay": 0.0}, {"params": params[2:], "weight_decay": 0.1}],
+                   learning_rate=0.05, momentum=0.9)
+    calls = []
+    for name in ("_apply_momentum", "_apply_momentum_many"):
+        op = getattr(opt, name)
+        op.apply = (lambda apply, name: lambda *a: calls.append(name) or apply(*a))(op.apply, name)
+    opt(tensors(*grads))
+    assert calls == ["_apply_momentum", "_apply_momentum_many"]
+    for i, p in enumerate(params):
+        expect = ref_momentum(start[i], [grads[i]], [0.05], 0.9, wd=0.1 if i == 2 else 0.0)
+        np.testing.assert_allclose(p.asnumpy(), expect, rtol=1e-12, atol=1e-14)

@@ -24,6 +24,8 @@ attribute set, to try a setting before making it the default. Changes (what "und
     taps        stride-1 convolutions by im2col and one GEMM per chunk, not by tap GEMMs (kernels/cpu/taps.py)
     dense       under --mode graph, a Dense layer's MatMul, BiasAdd and ReLU as three ops, not as
                 Dense / DenseReLU (minidl/graph_mode.py; use --model mlp)
+    multi-momentum  nn.Momentum's update one ApplyMomentum per parameter, not one
+                MultiApplyMomentum for all (minidl/optim/momentum.py)
 
 ``--env NAME=VALUE`` (repeatable) is for settings that hold for a whole process (the malloc
 tuning of minidl/_allocator.py): they cannot alternate step by step, so A and B run in
@@ -46,7 +48,7 @@ import subprocess
 import sys
 import time
 
-CHANGES = ("none", "bn-relu", "taps", "dense")
+CHANGES = ("none", "bn-relu", "taps", "dense", "multi-momentum")
 
 
 def parse_args():
@@ -145,6 +147,7 @@ import minidl  # noqa: E402
 from minidl import nn, ops, Tensor  # noqa: E402
 from minidl import graph_mode  # noqa: E402
 from minidl.kernels.cpu.taps import Taps  # noqa: E402
+from minidl.optim.optimizer import Optimizer  # noqa: E402
 
 
 def separate_ops(bn, x, residual=None):
@@ -178,6 +181,8 @@ def settings_of_b():
         out.append((Taps, "fits", staticmethod(lambda *arrays: False)))
     if args.change == "dense":
         out.append((graph_mode, "_matmul", lambda prim, arrays: prim.apply(*arrays)))
+    if args.change == "multi-momentum":
+        out.append((nn.Momentum, "_update_many", Optimizer._update_many))
     return out
 
 

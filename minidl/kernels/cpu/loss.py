@@ -15,9 +15,12 @@ import importlib.util
 import numpy
 
 from ...ops.loss import SparseSoftmaxCrossEntropyWithLogits, _check_index_labels, _check_logits
-from .. import Kernel, register
+from .. import Kernel, declare_option, get_option, register
 
 __all__ = ["SparseSoftmaxCrossEntropyLoop"]
+
+declare_option("loss_numba", True, "SparseSoftmaxCrossEntropyWithLogits' compiled row loops (with Numba); "
+               "False: the reference's NumPy passes")
 
 _compiled = {}
 
@@ -69,7 +72,7 @@ class SparseSoftmaxCrossEntropyLoop(Kernel):
     available = importlib.util.find_spec("numba") is not None  # else the reference runs
 
     def applies(self, node, logits, labels):
-        return (self.available and isinstance(logits, numpy.ndarray) and isinstance(labels, numpy.ndarray)
+        return (self.available and get_option("loss_numba") and isinstance(logits, numpy.ndarray) and isinstance(labels, numpy.ndarray)
                 and logits.ndim == 2 and logits.dtype.char in "fd" and logits.shape[1] > 0
                 and labels.dtype.kind in "iu" and labels.ndim == 1)
 

@@ -163,7 +163,7 @@ def _check_index_labels(op, labels, batch_shape, n_classes, logits_shape, ignore
         raise ValueError(f"{op}: labels of shape {shape} do not match logits of shape {tuple(logits_shape)}: "
                          f"expected labels of shape {tuple(batch_shape)}")
     if labels.size and (isinstance(labels, numpy.ndarray) or host_label_checks()):
-        if ignore_index is None and int(labels.min()) >= 0 and int(labels.max()) < n_classes:
+        if ignore_index is None and isinstance(labels, numpy.ndarray) and labels.min() >= 0 and labels.max() < n_classes:
             return labels  # all in range: two reductions, where finding the first bad label takes four passes
         bad = (labels < 0) | (labels >= n_classes)
         if ignore_index is not None:

@@ -29,7 +29,7 @@ import copy
 import threading
 import weakref
 
-from minidl.ops.updates import ApplyMomentum
+from minidl.ops.updates import ApplyMomentum, MultiApplyMomentum
 from minidl.tensor import Parameter, Tensor, is_grad_enabled
 
 from .. import context
@@ -53,7 +53,7 @@ _groups = GroupCache()
 # Collectives and redistributions run as they are: they already act on this rank's blocks. So does
 # an in-place optimizer update: a parameter's block, its state and its gradient share one layout,
 # and a redistributed copy would take the update away from the parameter.
-_PASSTHROUGH = (Redistribute, AllReduce, AllGather, ReduceScatter, Broadcast, ApplyMomentum)
+_PASSTHROUGH = (Redistribute, AllReduce, AllGather, ReduceScatter, Broadcast, ApplyMomentum, MultiApplyMomentum)
 
 
 def _rank_state():

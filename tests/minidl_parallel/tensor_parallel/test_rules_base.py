@@ -36,6 +36,7 @@ PASSTHROUGH = {
     Redistribute: "the dispatcher's own move between layouts: it runs a plan on this rank's block",
     ops.ApplyMomentum: "an in-place update of this rank's block of a parameter, whose state and gradient "
                        "share its layout (a redistributed copy would lose the update)",
+    ops.MultiApplyMomentum: "ApplyMomentum over several parameters' blocks at once",
 }
 
 _OPTIONAL = ("mpi4py", "cupy")  # backends whose modules need what a machine may lack
@@ -86,6 +87,7 @@ def test_passthrough_primitives_run_as_they_are_under_semi_auto():
             x = Tensor(np.full((2, 2), float(r + 1)))
             w, v = Tensor(np.full((2, 2), float(r + 1))), Tensor(np.zeros((2, 2)))
             ops.ApplyMomentum()(w, v, 0.5, Tensor(np.ones((2, 2))), 0.9)  # on this rank's arrays, in place
+            ops.MultiApplyMomentum()([w], [v], 0.5, [Tensor(np.ones((2, 2)))], 0.9)  # and once more
             return (AllReduce("sum")(x).asnumpy(), AllGather()(x).asnumpy().shape,
                     ReduceScatter("sum")(x).asnumpy().shape, Broadcast(0)(x).asnumpy(), w.asnumpy())
         finally:
@@ -94,7 +96,7 @@ def test_passthrough_primitives_run_as_they_are_under_semi_auto():
         np.testing.assert_array_equal(total, np.full((2, 2), 3.0))
         assert gathered == (4, 2) and scattered == (1, 2)
         np.testing.assert_array_equal(root, np.ones((2, 2)))
-        np.testing.assert_array_equal(w, np.full((2, 2), r + 0.5))
+        np.testing.assert_allclose(w, np.full((2, 2), r + 0.5 - 0.5 * (0.9 * 1.0 + 1.0)), rtol=1e-15)  # both updates
 
 
 def test_a_subclass_does_not_inherit_its_base_rule():

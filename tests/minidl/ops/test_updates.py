@@ -61,14 +61,14 @@ def test_multi_apply_momentum_is_apply_momentum_per_parameter(nesterov, referenc
     for dtype in (np.float32, np.float64):
         ws, vs, gs = ([rng.standard_normal(s).astype(dtype) for s in shapes] for _ in range(3))
         one = [(w.copy(), v.copy()) for w, v in zip(ws, vs)]
-        many = [w.copy() for w in ws], [v.copy() for v in vs]
+        many = [Tensor(w.copy()) for w in ws], [Tensor(v.copy()) for v in vs]  # tensors or arrays alike
         with kernels.reference_only(reference):
             for (w, v), g in zip(one, gs):
                 ops.ApplyMomentum(use_nesterov=nesterov)(w, v, 0.1, g, 0.9)
-            ops.MultiApplyMomentum(use_nesterov=nesterov)([Tensor(w) for w in many[0]], many[1], 0.1, gs, 0.9)
+            ops.MultiApplyMomentum(use_nesterov=nesterov)(many[0], many[1], 0.1, [Tensor(g) for g in gs], 0.9)
         for (w, v), w_many, v_many in zip(one, *many):
-            np.testing.assert_array_equal(w_many, w)
-            np.testing.assert_array_equal(v_many, v)
+            np.testing.assert_array_equal(w_many.asnumpy(), w)
+            np.testing.assert_array_equal(v_many.asnumpy(), v)
 
 
 def test_multi_apply_momentum_needs_one_entry_of_each_per_parameter():

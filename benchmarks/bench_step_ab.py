@@ -13,8 +13,10 @@ shared host that is the only comparison of whole steps that is stable from run t
 microbenchmark on data already in cache overstates gains; separate runs measure the
 neighbours). One net, not two: two identical nets alternating measured 1.12x apart with
 nothing changed, from where their arrays lie in memory. Prints the median step of each and
-their ratio; ``--change none`` (A against A) shows the harness's own spread. The tests
-check that each change leaves the results unchanged.
+their ratio; ``--change none`` (A against A) shows the harness's own spread. Each change
+swaps two routes the tests hold to the same results (the kernels' differential tests,
+tests/minidl/test_graph_mode_dense.py, tests/minidl/optim/test_optim.py); this script
+itself is not run by the tests.
 
 ``--option NAME=value`` (repeatable) instead runs B with a kernels option set
 (``minidl.kernels.options()`` lists them), and ``--set module.NAME=value`` with a module

@@ -112,32 +112,6 @@ def masked_sums(gy, y, g, gb):
 # ---- team jobs: header slots 0 (claimed chunks) and 1 (chunks: team.run sets both), then the
 # job's own: addresses and sizes as int64, scalars as float64 bits -----------------------------
 
-def momentum_header(w, v, g, lr, m, nesterov):
-    """The header of :data:`momentum_job` over the flat arrays w, v, g."""
-    head = numpy.zeros(10, dtype=numpy.int64)
-    head[2:8] = (w.ctypes.data, v.ctypes.data, g.ctypes.data, w.size, w.itemsize, nesterov)
-    head.view(numpy.float64)[8:10] = (lr, m)  # scalars as float64 bits
-    return head
-
-
-@_job
-def momentum_job(data):
-    h = carray(data, 10, numpy.int64)
-    f = carray(data, 10, numpy.float64)
-    n, size, chunks = h[5], h[6], h[1]
-    c = _claim(data)
-    while c < chunks:
-        lo, hi = c * n // chunks, (c + 1) * n // chunks
-        w, v, g = h[2] + lo * size, h[3] + lo * size, h[4] + lo * size  # the chunk's own arrays
-        if size == _F32:
-            _momentum(carray(_pointer(w, numba.float32), hi - lo), carray(_pointer(v, numba.float32), hi - lo),
-                      carray(_pointer(g, numba.float32), hi - lo), numpy.float32(f[8]), numpy.float32(f[9]), h[7] != 0)
-        else:
-            _momentum(carray(_pointer(w, numba.float64), hi - lo), carray(_pointer(v, numba.float64), hi - lo),
-                      carray(_pointer(g, numba.float64), hi - lo), f[8], f[9], h[7] != 0)
-        c = _claim(data)
-
-
 def momentum_multi_header(ws, vs, gs, lr, m, nesterov):
     """The header of :data:`momentum_multi_job` over parameters k = 0.. with flat arrays ws[k],
     vs[k], gs[k] of one dtype: the range is their elements end to end."""

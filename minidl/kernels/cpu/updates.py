@@ -39,8 +39,8 @@ class ApplyMomentumLoop(Kernel):
         w, v, g = variable.reshape(-1), accumulation.reshape(-1), gradient.reshape(-1)
         threads = team.threads(w.nbytes)
         if threads > 1:
-            team.run(team_jobs.momentum_job,
-                     team_jobs.momentum_header(w, v, g, learning_rate, momentum, node.use_nesterov), threads)
+            head = team_jobs.momentum_multi_header([w], [v], [g], learning_rate, momentum, node.use_nesterov)
+            team.run(team_jobs.momentum_multi_job, head, threads)
         else:
             scalar = variable.dtype.type  # NumPy takes a Python number as the arrays' dtype (NEP 50)
             team_jobs.momentum(w, v, g, scalar(learning_rate), scalar(momentum), node.use_nesterov)

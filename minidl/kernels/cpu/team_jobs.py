@@ -82,7 +82,7 @@ def _add_bias_relu(y, b, relu):
 @_plain
 def _masked_sums(gy, y, g, gb, j0, j1):
     # Row by row over contiguous slices of columns j0..j1: a loop Numba vectorises (indexing the
-    # 2-D arrays with a variable column range measured 5x slower).
+    # 2-D arrays with a variable column range ran several times slower: not vectorised).
     zero, one = g.dtype.type(0), g.dtype.type(1)
     sums = gb[j0:j1]
     for j in range(sums.size):

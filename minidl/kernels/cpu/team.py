@@ -5,8 +5,8 @@ between them (the bias and ReLU, the ReLU's masked gradient, the optimizer's upd
 passes ran on one core. MKL's OpenMP team is still spinning on the other cores then (for
 ``KMP_BLOCKTIME`` after each GEMM, blas.py), so waking minidl's own intra-op pool for them
 only made its threads fight the spinning team for the cores (a slower step). Handing the pass
-to that team instead costs one OpenMP fork/join on threads already awake, and two
-cores bring twice one core's memory bandwidth: ``python benchmarks/bench_step_ab.py --model mlp
+to that team instead costs one OpenMP fork/join on threads already awake, and a second
+core adds memory bandwidth to these memory-bound passes: ``python benchmarks/bench_step_ab.py --model mlp
 --mode graph --option team=False`` measures what it buys.
 
 How. A job (team_jobs.py) is a Numba ``cfunc`` taking one pointer: a small int64 array, the

@@ -90,4 +90,4 @@ def run(job, head, n_threads):
     caller is one of them) over ``n_threads`` chunks, with the header ``head`` (team_jobs.py's
     ``*_header`` filled it); returns when every chunk is done."""
     head[0], head[1] = 0, n_threads
-    _runtime()[0](job.address, head.ctypes.data, n_threads, 0)
+    _runtime()[0](job.address, jobs().address(head), n_threads, 0)

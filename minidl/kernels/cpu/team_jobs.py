@@ -50,6 +50,13 @@ def _job(fn):
     return numba.cfunc(types.void(types.voidptr), nopython=True, cache=True)(fn)
 
 
+@_plain
+def address(x):
+    """The address of x's first element, as ``x.ctypes.data``: compiled, it costs a fraction of that
+    attribute's Python (a ctypes object per call), and headers need several per step."""
+    return x.ctypes.data
+
+
 # ---- the loops ----------------------------------------------------------------------------
 
 
@@ -81,8 +88,10 @@ def _add_bias_relu(y, b, relu):
 
 @_plain
 def _masked_sums(gy, y, g, gb, j0, j1):
-    # Row by row over contiguous slices of columns j0..j1: a loop Numba vectorises (indexing the
-    # 2-D arrays with a variable column range ran several times slower: not vectorised).
+    # Row by row over contiguous slices of columns j0..j1, in two loops per row: each one Numba
+    # vectorises. (Indexing the 2-D arrays with a variable column range ran several times slower;
+    # one loop that both writes g and adds into the sums was slower than these two, whose second
+    # reads the row back from L1: the compiler cannot prove that g and the sums do not overlap.)
     zero, one = g.dtype.type(0), g.dtype.type(1)
     sums = gb[j0:j1]
     for j in range(sums.size):
@@ -90,9 +99,9 @@ def _masked_sums(gy, y, g, gb, j0, j1):
     for i in range(g.shape[0]):
         gy_i, y_i, g_i = gy[i, j0:j1], y[i, j0:j1], g[i, j0:j1]
         for j in range(g_i.size):
-            v = gy_i[j] * (one if y_i[j] > zero else zero)  # as gy * (y > 0): NaN or inf * 0 is NaN
-            g_i[j] = v
-            sums[j] += v
+            g_i[j] = gy_i[j] * (one if y_i[j] > zero else zero)  # as gy * (y > 0): NaN or inf * 0 is NaN
+        for j in range(g_i.size):
+            sums[j] += g_i[j]
 
 
 # ---- serial calls (the caller's thread) -----------------------------------------------------
@@ -120,7 +129,7 @@ def momentum_multi_header(ws, vs, gs, lr, m, nesterov):
     head[2:5] = (count, ws[0].itemsize if count else _F32, nesterov)
     head.view(numpy.float64)[5:7] = (lr, m)
     for k, (w, v, g) in enumerate(zip(ws, vs, gs)):
-        head[8 + 4 * k:12 + 4 * k] = (w.ctypes.data, v.ctypes.data, g.ctypes.data, w.size)
+        head[8 + 4 * k:12 + 4 * k] = (address(w), address(v), address(g), w.size)
     head[7] = sum(w.size for w in ws)
     return head
 
@@ -154,7 +163,7 @@ def momentum_multi_job(data):
 def add_bias_relu_header(y, b, relu):
     """The header of :data:`add_bias_relu_job` (y C-contiguous 2-D, b 1-D contiguous)."""
     head = numpy.zeros(8, dtype=numpy.int64)
-    head[2:8] = (y.ctypes.data, b.ctypes.data, y.shape[0], y.shape[1], y.itemsize, relu)
+    head[2:8] = (address(y), address(b), y.shape[0], y.shape[1], y.itemsize, relu)
     return head
 
 
@@ -178,7 +187,7 @@ def add_bias_relu_job(data):
 def masked_sums_header(gy, y, g, gb):
     """The header of :data:`masked_sums_job` (gy, y, g C-contiguous 2-D, gb 1-D)."""
     head = numpy.zeros(9, dtype=numpy.int64)
-    head[2:9] = (gy.ctypes.data, y.ctypes.data, g.ctypes.data, gb.ctypes.data, g.shape[0], g.shape[1], g.itemsize)
+    head[2:9] = (address(gy), address(y), address(g), address(gb), g.shape[0], g.shape[1], g.itemsize)
     return head
 
 

@@ -1,5 +1,5 @@
 """GRAPH_MODE: a user's separate BatchNorm, residual Add and ReLU run as one fused op; so do a
-Dense layer's MatMul, BiasAdd and ReLU.
+Dense layer (one Dense op, or a user's MatMul and BiasAdd) and its ReLU.
 
 Under ``minidl.set_context(mode=minidl.GRAPH_MODE)``, a call of ``ops.BatchNorm`` (its exact
 class, on the local runtime) does not run: it checks its arguments as eager would, then returns
@@ -14,7 +14,9 @@ first use:
 - any other use (another op, any attribute but ``shape``, ``dtype``, ``ndim``, ``size``)
   *materialises* d: the recorded BatchNorm runs now, as eager ran it, with the same arguments.
 
-A ``MatMul`` with nn.Dense's transposes (x @ w.T, both 2-D, one dtype) is a head like BatchNorm:
+A ``Dense`` (nn.Dense's one op, ops/dense.py) is a head like BatchNorm: a ReLU then runs
+``DenseReLU`` on its arguments, any other use runs the Dense. A user's own Dense, a ``MatMul``
+with nn.Dense's transposes (x @ w.T, both 2-D, one dtype), is a head too:
 ``BiasAdd(d, b)`` of a 1-D b defers again, a ReLU then runs ``DenseReLU(x, w, b)`` (ops/dense.py;
 ``DenseReLU(x, w)`` straight after the MatMul), and any other use of the BiasAdd's output runs
 ``Dense(x, w, b)``: the product and the bias in one op, which is what every Dense layer with a
@@ -282,6 +284,8 @@ def _call(prim, args):
         return _batch_norm(prim, args)
     if cls is MatMul:
         return _matmul(prim, args)
+    if cls is Dense:
+        return _dense(prim, args)
     if cls is ReLU:
         if len(args) == 1 and type(args[0]) is _Deferred:
             return _relu(prim, args[0])
@@ -323,6 +327,18 @@ def _matmul(prim, args):
         return prim.apply(*args)  # eager's call (and its errors: a device mix names MatMul)
     check_matmul(prim.name, x, w, False, True, batched=False)
     return _defer_head(prim, MatMul, args, (x.shape[0], w.shape[0]), x.dtype)
+
+
+def _dense(prim, args):
+    """Defers a Dense call (nn.Dense's one op: x @ w.T + b of local tensors), once eager's checks pass."""
+    if len(args) not in (2, 3) or not all(isinstance(a, Tensor) for a in args):
+        return prim.apply(*args)
+    arrays = [a.data for a in args]  # resolves watches and deferred inputs, as eager's order
+    if any(a.placement is not None for a in args) or len({type(a) for a in arrays}) != 1:
+        return prim.apply(*args)  # eager's call (and its errors: a device mix names Dense)
+    x, w = arrays[:2]
+    prim._check(*arrays) if len(arrays) == 3 else prim._check(x, w, None)
+    return _defer_head(prim, Dense, args, (x.shape[0], w.shape[0]), x.dtype)
 
 
 def _defer_head(prim, cls, args, shape, dtype):

@@ -1,10 +1,11 @@
 """Dense and DenseReLU: a fully connected layer's product, bias (and ReLU) in one op.
 
-Why one op. ``nn.Dense`` runs MatMul then BiasAdd (then the activation): three passes over the
-output and three kept arrays. As one op a fast body adds the bias and applies the ReLU in one
-sweep over the GEMM's output, in place, and in backward masks the gradient and sums the bias
-gradient from it in one more (minidl/kernels/cpu/dense.py). GRAPH_MODE
-(minidl/graph_mode.py) runs a user's MatMul, BiasAdd and ReLU as these ops, with no model change.
+Why one op. MatMul then BiasAdd (then the activation), as MindSpore's nn.Dense calls them, are
+three passes over the output and three kept arrays. As one op a fast body adds the bias and
+applies the ReLU in one sweep over the GEMM's output, in place, and in backward masks the
+gradient and sums the bias gradient from it in one more (minidl/kernels/cpu/dense.py).
+``nn.Dense`` calls Dense (unless sharded); GRAPH_MODE (minidl/graph_mode.py) runs a Dense and
+its ReLU, or a user's MatMul, BiasAdd and ReLU, as DenseReLU, with no model change.
 
 These are the reference bodies: exactly MatMul(transpose_b=True), BiasAdd and ReLU one after
 another (tests/minidl/ops/test_dense.py checks both, and finite differences). At a kink

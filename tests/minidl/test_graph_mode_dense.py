@@ -1,11 +1,12 @@
-"""GRAPH_MODE's Dense fusion (minidl/graph_mode.py): nn.Dense's MatMul(transpose_b) + BiasAdd (+ ReLU)
-runs as ops.Dense / ops.DenseReLU, and every result equals PYNATIVE_MODE's. Each test runs the same
-code in both modes (test_graph_mode.both) and compares. On reference bodies (kernels.reference_only)
-Dense and DenseReLU are MatMul, BiasAdd and ReLU one after another, so values, gradients and
-parameters after optimizer steps are eager's bit for bit; with the CPU kernels, within their bound.
-Covered: an MLP trained (custom loop, Model.train; float32, float64), which ops ran, outputs with two
-uses, in-place writes while an op is pending, no_grad, what must not fuse, errors, and an output
-returned from the network and read later.
+"""GRAPH_MODE's Dense fusion (minidl/graph_mode.py): a Dense op (nn.Dense's one op) or a user's
+MatMul(transpose_b) + BiasAdd, followed by a ReLU, runs as ops.DenseReLU (the BiasAdd of a MatMul
+otherwise as ops.Dense), and every result equals PYNATIVE_MODE's. Each test runs the same code in
+both modes (test_graph_mode.both) and compares. On reference bodies (kernels.reference_only) Dense
+and DenseReLU are MatMul, BiasAdd and ReLU one after another, so values, gradients and parameters
+after optimizer steps are eager's bit for bit; with the CPU kernels, within their bound. Covered: an
+MLP of nn.Dense and one of user-written Dense cells trained (custom loop, Model.train; float32,
+float64), which ops ran, outputs with two uses, in-place writes while an op is pending, no_grad, what
+must not fuse, errors, and an output returned from the network and read later.
 """
 import numpy as np
 import pytest
@@ -22,17 +23,31 @@ def data(shape, seed=0, dtype=np.float32):
     return Tensor(np.random.default_rng(seed).standard_normal(shape).astype(dtype))
 
 
-def mlp(dtype=np.float32):
-    return nn.SequentialCell([nn.Dense(20, 32, dtype=dtype), nn.ReLU(), nn.Dense(32, 32, dtype=dtype), nn.ReLU(),
-                              nn.Dense(32, 10, dtype=dtype)])
+class UserDense(nn.Dense):
+    """A Dense layer as a user (or MindSpore's nn.Dense) writes it: MatMul, then BiasAdd, then the
+    activation, three ops; nn.Dense's own construct calls ops.Dense."""
+
+    def construct(self, x):
+        x = self.matmul(x, self.weight)
+        if self.has_bias:
+            x = self.bias_add(x, self.bias)
+        return x if self.activation is None else self.activation(x)
+
+
+LAYERS = {"nn.Dense": nn.Dense, "user": UserDense}
+
+
+def mlp(dtype=np.float32, layer=nn.Dense):
+    return nn.SequentialCell([layer(20, 32, dtype=dtype), nn.ReLU(), layer(32, 32, dtype=dtype), nn.ReLU(),
+                              layer(32, 10, dtype=dtype)])
 
 
 LABELS = np.array([1, 3, 5, 7, 9, 0, 2, 4], np.int32)
 LOSS = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 
 
-def train_custom_loop(dtype=np.float32, steps=3):
-    net = mlp(dtype)
+def train_custom_loop(dtype=np.float32, steps=3, layer=nn.Dense):
+    net = mlp(dtype, layer)
     opt = nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)
     grad_fn = minidl.value_and_grad(lambda x, y: LOSS(net(x), y), None, opt.parameters)
     x, y = data((8, 20), dtype=dtype), Tensor(LABELS)
@@ -44,22 +59,25 @@ def train_custom_loop(dtype=np.float32, steps=3):
     return out, state(net)
 
 
+@pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_mlp_custom_loop_equals_eager_bit_for_bit_on_reference_bodies(dtype):
+def test_mlp_custom_loop_equals_eager_bit_for_bit_on_reference_bodies(dtype, layer):
     with kernels.reference_only():
-        eager, graph = both(train_custom_loop, dtype)
+        eager, graph = both(lambda: train_custom_loop(dtype, layer=LAYERS[layer]))
     assert_same(eager, graph)
     assert graph[1]["0.weight"].dtype == dtype
 
 
-def test_mlp_custom_loop_equals_eager_within_the_kernel_bound(kernels_on):
-    eager, graph = both(train_custom_loop)
+@pytest.mark.parametrize("layer", LAYERS)
+def test_mlp_custom_loop_equals_eager_within_the_kernel_bound(kernels_on, layer):
+    eager, graph = both(lambda: train_custom_loop(layer=LAYERS[layer]))
     assert_same(eager, graph, exact=False)
 
 
-def test_mlp_model_train_equals_eager():
+@pytest.mark.parametrize("layer", LAYERS)
+def test_mlp_model_train_equals_eager(layer):
     def train():
-        net = mlp()
+        net = mlp(layer=LAYERS[layer])
         opt = nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)
         images = np.random.default_rng(1).standard_normal((8, 20)).astype(np.float32)
         dataset = minidl.dataset.NumpySlicesDataset({"image": images, "label": LABELS}, shuffle=False).batch(4)
@@ -70,11 +88,24 @@ def test_mlp_model_train_equals_eager():
     assert_same(eager, graph)
 
 
-def test_the_fused_ops_run_in_graph_mode_only():
+def test_nn_dense_is_one_op_in_both_modes_and_fuses_its_relu_in_graph_mode():
     def forward():
         return [node_names(net(data((4, 20)))) for net in (
             mlp(), nn.SequentialCell([nn.Dense(20, 6, has_bias=False), nn.ReLU()]),  # DenseReLU(x, w)
             nn.Dense(20, 6, activation="relu"), nn.Dense(20, 6, has_bias=False))]
+    eager, graph = both(forward)
+    assert "DenseReLU" not in sum(eager, []) and not {"MatMul", "BiasAdd"} & set(sum(eager + graph, []))
+    assert sorted(eager[0]) == ["Dense"] * 3 + ["ReLU"] * 2
+    assert sorted(graph[0]) == ["Dense", "DenseReLU", "DenseReLU"]   # the last layer has no ReLU
+    assert graph[1] == graph[2] == ["DenseReLU"]
+    assert eager[3] == graph[3] == ["Dense"]   # no bias, no ReLU: the Dense runs as eager's
+
+
+def test_a_user_written_dense_fuses_in_graph_mode_only():
+    def forward():
+        return [node_names(net(data((4, 20)))) for net in (
+            mlp(layer=UserDense), nn.SequentialCell([UserDense(20, 6, has_bias=False), nn.ReLU()]),
+            UserDense(20, 6, activation="relu"), UserDense(20, 6, has_bias=False))]
     eager, graph = both(forward)
     assert not {"Dense", "DenseReLU"} & set(sum(eager, []))
     assert eager[0].count("MatMul") == 3
@@ -83,9 +114,22 @@ def test_the_fused_ops_run_in_graph_mode_only():
     assert graph[3] == ["MatMul"]   # no bias, no ReLU: the MatMul runs as eager's
 
 
-def test_each_layer_runs_one_op_and_nothing_twice(monkeypatch):
+def test_a_sharded_nn_dense_runs_its_two_ops():
+    # shard() gives the MatMul and the BiasAdd strategies: nn.Dense then calls those two ops (the
+    # tensor-parallel rules read their strategies); on the local runtime they run as eager's.
+    def forward():
+        fc = nn.Dense(20, 6)
+        fc.shard(((1, 1), (1, 1)))
+        return node_names(fc(data((4, 20))))
+    eager, graph = both(forward)
+    assert sorted(eager) == ["BiasAdd", "MatMul"]
+    assert graph == ["Dense"]   # GRAPH_MODE's MatMul + BiasAdd rule
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_each_layer_runs_one_op_and_nothing_twice(monkeypatch, layer):
     """What runs in a training step, counted at Primitive.apply: each layer's one fused op, no
-    MatMul besides (a fused head must not run again when its Cell ends)."""
+    MatMul or Dense besides (a fused head must not run again when its Cell ends)."""
     from minidl.ops.primitive import Primitive
     ran, original = [], Primitive.apply
 
@@ -96,24 +140,29 @@ def test_each_layer_runs_one_op_and_nothing_twice(monkeypatch):
 
     def step():
         ran.clear()
-        train_custom_loop(steps=1)
+        train_custom_loop(steps=1, layer=LAYERS[layer])
         return [name for name in ran if name in ("MatMul", "BiasAdd", "ReLU", "Dense", "DenseReLU")]
     eager, graph = both(step)
-    assert sorted(eager) == ["BiasAdd"] * 3 + ["MatMul"] * 3 + ["ReLU"] * 2
+    if layer == "user":
+        assert sorted(eager) == ["BiasAdd"] * 3 + ["MatMul"] * 3 + ["ReLU"] * 2
+    else:
+        assert sorted(eager) == ["Dense"] * 3 + ["ReLU"] * 2
     assert sorted(graph) == ["Dense", "DenseReLU", "DenseReLU"]
 
 
 @pytest.mark.cpu_only  # the CPU kernels of Dense and DenseReLU
-def test_kernels_tracking_shows_the_dense_kernels_in_graph_mode_only(kernels_on):
+@pytest.mark.parametrize("layer", LAYERS)
+def test_kernels_tracking_shows_the_dense_kernels(kernels_on, layer):
     if not any(k.backend == "numpy" for k in kernels.registered(DenseReLU)):
         pytest.skip("no CPU kernel registered for DenseReLU")
 
     def forward():
         with kernels.tracking() as used:
-            mlp()(data((8, 20))).sum().backward()
+            mlp(layer=LAYERS[layer])(data((8, 20))).sum().backward()
         return {k.op.__name__ for k in used}
     eager, graph = both(forward)
-    assert {"Dense", "DenseReLU"} <= graph and not {"Dense", "DenseReLU"} & eager
+    assert {"Dense", "DenseReLU"} <= graph and "DenseReLU" not in eager
+    assert ("Dense" in eager) == (layer == "nn.Dense")
 
 
 def run_ops(body, x_shape=(4, 5), w_shape=(3, 5), exact_grads=True, columns=3):
@@ -295,3 +344,69 @@ def test_a_mode_change_runs_a_pending_dense_and_restores_the_classes():
     with kernels.reference_only():
         expected = ops.bias_add(ops.MatMul(transpose_b=True)(x, w), b).asnumpy()
     np.testing.assert_allclose(y.asnumpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def dense(x, w, b=None):
+    return ops.Dense()(x, w) if b is None else ops.Dense()(x, w, b)
+
+
+def test_a_dense_op_then_relu_fuses_and_its_output_can_be_used_again():
+    names = run_ops(lambda x, w, b: ops.relu(dense(x, w, b)))
+    assert names == ["DenseReLU"]
+    assert run_ops(lambda x, w, b: ops.relu(dense(x, w))) == ["DenseReLU"]
+
+    def used_twice(x, w, b):
+        d = dense(x, w, b)
+        return ops.relu(d) + d   # d computed again after the fusion, as Dense: rounding in the gradients
+    names = run_ops(used_twice, exact_grads=False)
+    assert "DenseReLU" in names and "Dense" in names
+
+    def used_before_the_relu(x, w, b):
+        d = dense(x, w, b)
+        q = d * 2.0             # computes d: nothing is left to fuse, the graph is eager's
+        return ops.relu(d) + q
+    names = run_ops(used_before_the_relu)
+    assert "DenseReLU" not in names and "Dense" in names and "ReLU" in names
+
+
+@pytest.mark.parametrize("where", ["w_before_relu", "w_in_place_before_relu", "b_before_relu", "input_before_relu",
+                                   "w_after_relu"])
+def test_in_place_write_between_dense_and_relu(where):
+    def body(x, w, b):
+        h = x * 1.0
+        d = dense(h, w, b)
+        if where == "w_before_relu":
+            write_w(w)
+        elif where == "w_in_place_before_relu":
+            w.data[...] *= 2
+        elif where == "b_before_relu":
+            b.data[...] = 0
+        elif where == "input_before_relu":
+            h.data[...] = 0
+        a = ops.relu(d)
+        if where == "w_after_relu":
+            write_w(w)              # d is used after it: computed from the values as of its call
+            return a + d
+        return a
+    run_ops(body, exact_grads=where != "w_after_relu")
+
+
+def test_dense_no_grad_and_errors_as_eager():
+    def body(x, w, b):
+        with minidl.no_grad():
+            out = ops.relu(dense(x, w, b))
+            assert out._node is None
+        d = dense(x, w, b)
+        with minidl.no_grad():    # grad mode changed before the ReLU: runs as eager, d keeps its graph
+            r = ops.relu(d)
+            assert r._node is None
+        return out + r + d
+    run_ops(body)
+    x, w, messages = data((4, 5)), data((3, 5)), []
+    for m in MODES:
+        with mode(m):
+            for call in (lambda: dense(x, data((3, 6))), lambda: dense(x, w, data((4,)))):
+                with pytest.raises(ValueError) as err:
+                    call()
+                messages.append(str(err.value))
+    assert messages[:2] == messages[2:] and all("Dense" in m for m in messages)

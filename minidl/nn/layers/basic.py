@@ -3,6 +3,7 @@ import math
 
 from ... import ops
 from ...common.initializer import initializer, HeUniform, Uniform
+from ...runtime import LOCAL, get_runtime
 from ...tensor import Parameter, Tensor, float32
 from ..cell import Cell
 from .activation import get_activation
@@ -50,7 +51,9 @@ class Dense(Cell):
         activation: None, a name ('relu', 'sigmoid', 'tanh', 'softmax') or a Cell.
         dtype: parameter dtype.
 
-    Inputs of rank > 2 are treated as a batch of vectors along the last dimension.
+    Inputs of rank > 2 are treated as a batch of vectors along the last dimension. The product
+    and the bias are one op, ``ops.Dense`` (MindSpore's layer calls MatMul then BiasAdd: the same
+    values); after ``shard()`` those two ops run, with their strategies.
 
     Example:
         >>> fc = nn.Dense(3, 4, activation="relu")
@@ -79,6 +82,7 @@ class Dense(Cell):
         self.activation = activation
         self.matmul = ops.MatMul(transpose_b=True)
         self.bias_add = ops.BiasAdd()
+        self.dense = ops.Dense()  # MatMul and BiasAdd in one op, where neither is sharded (construct)
         self.reshape = ops.Reshape()
 
     def construct(self, x):
@@ -89,9 +93,16 @@ class Dense(Cell):
         flat = len(shape) != 2
         if flat:
             x = self.reshape(x, (math.prod(shape[:-1]), self.in_channels))
-        x = self.matmul(x, self.weight)
-        if self.has_bias:
-            x = self.bias_add(x, self.bias)
+        if (self.matmul.in_strategy is None and self.bias_add.in_strategy is None
+                and get_runtime() is LOCAL):
+            # The same product and bias as the two ops below, in one op call (ops/dense.py): one
+            # pass over the output fewer, and half the Python per layer. Under a parallel runtime
+            # and after shard() the two ops run, as their strategies and rules say.
+            x = self.dense(x, self.weight, self.bias) if self.has_bias else self.dense(x, self.weight)
+        else:
+            x = self.matmul(x, self.weight)
+            if self.has_bias:
+                x = self.bias_add(x, self.bias)
         if self.activation is not None:
             x = self.activation(x)
         if flat:

@@ -28,9 +28,10 @@ def test_a_cpu_tensor_given_to_a_gpu_network_names_it(on_the_double, device_targ
         x = Tensor(np.ones((2, 3), np.float32))  # made before the switch to the GPU
     assert isinstance(x.data, np.ndarray)
     dense = nn.Dense(3, 2)
-    with pytest.raises(TypeError, match=r"^MatMul: inputs on two devices: on the host \(NumPy\): x \(input 0, "
-                                        r"a Tensor\); on the GPU \(CuPy\): w \(input 1, a Tensor\)\."):
-        dense(x)
+    with pytest.raises(TypeError, match=r"^Dense: inputs on two devices: on the host \(NumPy\): x \(input 0, "
+                                        r"a Tensor\); on the GPU \(CuPy\): w \(input 1, a Tensor\), b \(input 2, "
+                                        r"a Tensor\)\."):
+        dense(x)  # nn.Dense's one op (ops.Dense) names the layer's weight and bias
     # the fix the message gives: Tensor(a) copies it to the current device
     assert dense(Tensor(x)).shape == (2, 2)
 

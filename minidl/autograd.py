@@ -9,6 +9,8 @@ each node drops what it saved for backward (arrays, ``inputs``, an instance ``ba
 once it has run, so activations go back to the allocator during backward and a loss kept
 for logging holds no more than its own value. A second backward through a freed node raises.
 """
+import functools
+
 import numpy
 
 from .tensor import Tensor, Parameter
@@ -22,6 +24,8 @@ _FREED_MESSAGE = ("Trying to backward through the graph a second time (or direct
 # it still prints. Anything else (arrays, tensors, closures, lists) was saved for backward.
 _CONFIG_TYPES = (bool, int, float, complex, str, bytes, type, numpy.dtype)
 _PLAIN_CONFIG = frozenset((type(None), bool, int, float, str))  # the exact types most values have: no isinstance
+# The exact types of what forward saves (never configuration): dropped without _is_config's checks.
+_SAVED_TYPES = frozenset((numpy.ndarray, list, dict, functools.partial, Tensor, Parameter))
 
 
 class _FreedInputs(tuple):
@@ -43,7 +47,9 @@ def _is_config(value):
 def _release(node):
     """Frees what node saved for backward; later backward passes through it raise RuntimeError."""
     d = node.__dict__
-    for key in [k for k, v in d.items() if type(v) not in _PLAIN_CONFIG and not _is_config(v)]:
+    # (inputs is replaced below; checked first: it is the one tuple every node has, and long.)
+    for key in [k for k, v in d.items() if k != "inputs" and type(v) not in _PLAIN_CONFIG
+                and (type(v) in _SAVED_TYPES or not _is_config(v))]:
         del d[key]  # also an instance ``backward`` (minidl_parallel wraps nodes' backward so)
     d["inputs"] = _FREED
 

@@ -24,8 +24,11 @@ attribute set, to try a setting before making it the default. Changes (what "und
     none        nothing: an A/A run, whose ratio shows the harness's own spread
     bn-relu     BatchNorm2d.with_relu as BatchNorm, Add and ReLU, three ops (ops/norm_relu.py)
     taps        stride-1 convolutions by im2col and one GEMM per chunk, not by tap GEMMs (kernels/cpu/taps.py)
-    dense       under --mode graph, a Dense layer's MatMul, BiasAdd and ReLU as three ops, not as
-                Dense / DenseReLU (minidl/graph_mode.py; use --model mlp)
+    dense       nn.Dense as MatMul then BiasAdd, two ops, as MindSpore's layer (not one ops.Dense:
+                minidl/nn/layers/basic.py), and under --mode graph no ReLU fused after either
+                (minidl/graph_mode.py): every Dense layer's MatMul, BiasAdd and ReLU as three ops
+                (use --model mlp)
+    dense-relu  under --mode graph, nn.Dense's one op and its ReLU as two ops, not one DenseReLU
     multi-momentum  nn.Momentum's update one ApplyMomentum per parameter, not one
                 MultiApplyMomentum for all (minidl/optim/momentum.py)
 
@@ -50,7 +53,7 @@ import subprocess
 import sys
 import time
 
-CHANGES = ("none", "bn-relu", "taps", "dense", "multi-momentum")
+CHANGES = ("none", "bn-relu", "taps", "dense", "dense-relu", "multi-momentum")
 
 
 def parse_args():
@@ -158,6 +161,19 @@ def separate_ops(bn, x, residual=None):
     return ops.relu(y if residual is None else y + residual)
 
 
+def two_op_dense(dense, x):
+    """nn.Dense's construct as MindSpore's layer writes it: MatMul, then BiasAdd, then the activation."""
+    shape = x.shape
+    if len(shape) != 2:
+        x = dense.reshape(x, (-1, dense.in_channels))
+    x = dense.matmul(x, dense.weight)
+    if dense.has_bias:
+        x = dense.bias_add(x, dense.bias)
+    if dense.activation is not None:
+        x = dense.activation(x)
+    return x if len(shape) == 2 else dense.reshape(x, tuple(shape[:-1]) + (dense.out_channels,))
+
+
 def settings_of_b():
     """[(object, attribute, value)] that B runs with: from --set, else what undoes --change."""
     out = []
@@ -182,7 +198,10 @@ def settings_of_b():
     if args.change == "taps":
         out.append((Taps, "fits", staticmethod(lambda *arrays: False)))
     if args.change == "dense":
+        out.append((nn.Dense, "construct", two_op_dense))
         out.append((graph_mode, "_matmul", lambda prim, arrays: prim.apply(*arrays)))
+    if args.change in ("dense", "dense-relu"):
+        out.append((graph_mode, "_dense", lambda prim, arrays: prim.apply(*arrays)))
     if args.change == "multi-momentum":
         out.append((nn.Momentum, "_update_many", Optimizer._update_many))
     return out

@@ -29,6 +29,8 @@ attribute set, to try a setting before making it the default. Changes (what "und
                 (minidl/graph_mode.py): every Dense layer's MatMul, BiasAdd and ReLU as three ops
                 (use --model mlp)
     dense-relu  under --mode graph, nn.Dense's one op and its ReLU as two ops, not one DenseReLU
+    sequence    under --mode graph, a SequentialCell's Dense and ReLU cells called one by one (the
+                Dense deferred, then fused at the ReLU), not run as one DenseReLU at once
     multi-momentum  nn.Momentum's update one ApplyMomentum per parameter, not one
                 MultiApplyMomentum for all (minidl/optim/momentum.py)
 
@@ -53,7 +55,7 @@ import subprocess
 import sys
 import time
 
-CHANGES = ("none", "bn-relu", "taps", "dense", "dense-relu", "multi-momentum")
+CHANGES = ("none", "bn-relu", "taps", "dense", "dense-relu", "sequence", "multi-momentum")
 
 
 def parse_args():
@@ -202,6 +204,8 @@ def settings_of_b():
         out.append((graph_mode, "_matmul", lambda prim, arrays: prim.apply(*arrays)))
     if args.change in ("dense", "dense-relu"):
         out.append((graph_mode, "_dense", lambda prim, arrays: prim.apply(*arrays)))
+    if args.change in ("dense", "dense-relu", "sequence"):
+        out.append((graph_mode, "_sequence", lambda seq, x: seq.construct(x)))
     if args.change == "multi-momentum":
         out.append((nn.Momentum, "_update_many", Optimizer._update_many))
     return out

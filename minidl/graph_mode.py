@@ -20,7 +20,9 @@ with nn.Dense's transposes (x @ w.T, both 2-D, one dtype), is a head too:
 ``BiasAdd(d, b)`` of a 1-D b defers again, a ReLU then runs ``DenseReLU(x, w, b)`` (ops/dense.py;
 ``DenseReLU(x, w)`` straight after the MatMul), and any other use of the BiasAdd's output runs
 ``Dense(x, w, b)``: the product and the bias in one op, which is what every Dense layer with a
-bias and no ReLU gets. A MatMul output used otherwise runs as eager's MatMul. A Cell's end
+bias and no ReLU gets. A MatMul output used otherwise runs as eager's MatMul. In a
+SequentialCell an nn.Dense cell followed by an nn.ReLU cell runs as that same DenseReLU at once
+(:func:`_sequence`): the Dense's output goes to the ReLU only, so there is nothing to defer. A Cell's end
 runs its pending ops as it runs BatchNorms (below), the op after a head first: a pending
 BiasAdd then runs as Dense.
 
@@ -60,6 +62,8 @@ import weakref
 
 from . import autograd, backend
 from .nn import cell as _cell
+from .nn.layers.activation import ReLU as _ReLUCell
+from .nn.layers.basic import Dense as _DenseCell
 from .ops import primitive as _primitive
 from .ops.dense import Dense, DenseReLU
 from .ops.linalg import BiasAdd, MatMul, check_matmul
@@ -455,7 +459,10 @@ def _call_cell(cell, args, kwargs):
     frame = {}
     frames.append(frame)
     try:
-        out = cell.construct(*args, **kwargs)
+        if type(cell) is _cell.SequentialCell and len(args) == 1 and not kwargs:
+            out = _sequence(cell, args[0])
+        else:
+            out = cell.construct(*args, **kwargs)
     except BaseException:
         frames.pop()
         _run_pending(frame)  # eager ran them before the error
@@ -474,6 +481,43 @@ def _call_cell(cell, args, kwargs):
             else:
                 _materialise(d)
     return out
+
+
+def _sequence(seq, x):
+    """SequentialCell.construct, but an nn.Dense cell followed by an nn.ReLU cell runs as the one
+    DenseReLU their deferred Dense and ReLU fuse into, without the deferral: in a SequentialCell the
+    Dense's output goes to the ReLU and nowhere else, so there is nothing to watch or defer (and
+    the two cells' calls, whose windows would hold only that output, are not needed)."""
+    cells = [c for c in seq._cells.values() if c is not None]
+    i, n = 0, len(cells)
+    while i < n:
+        cell = cells[i]
+        if i + 1 < n and type(cells[i + 1]) is _ReLUCell and type(cell) is _DenseCell:
+            out = _dense_relu(cell, x)
+            if out is not None:
+                x, i = out, i + 2
+                continue
+        x = cell(x)
+        i += 1
+    return x
+
+
+def _dense_relu(dense, x):
+    """``relu(dense(x))`` as one DenseReLU for an nn.Dense cell whose call would defer its one Dense
+    op (no activation, not sharded, 2-D x of its in_channels: see _dense) and whose output a ReLU
+    fuses; the Dense op's checks first, so errors are eager's. None where the cells must run."""
+    if (dense.activation is not None or dense.matmul.in_strategy is not None
+            or dense.bias_add.in_strategy is not None or not isinstance(x, Tensor) or x.ndim != 2
+            or x.shape[1] != dense.in_channels):
+        return None
+    args = (x, dense.weight, dense.bias) if dense.has_bias else (x, dense.weight)
+    if not all(isinstance(a, Tensor) for a in args):
+        return None
+    arrays = [a.data for a in args]  # computes a deferred x first, as the Dense call would
+    if any(a.placement is not None for a in args) or len({type(a) for a in arrays}) != 1:
+        return None
+    dense.dense._check(*arrays) if len(arrays) == 3 else dense.dense._check(*arrays, None)
+    return DenseReLU().apply(*args)
 
 
 def _returned(out, found):

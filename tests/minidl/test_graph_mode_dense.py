@@ -410,3 +410,77 @@ def test_dense_no_grad_and_errors_as_eager():
                     call()
                 messages.append(str(err.value))
     assert messages[:2] == messages[2:] and all("Dense" in m for m in messages)
+
+
+class CellsInConstruct(nn.Cell):
+    """nn.Dense and nn.ReLU cells called from a construct (no SequentialCell): the deferred route."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Dense(20, 32), nn.ReLU(), nn.Dense(32, 10)
+
+    def construct(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def test_a_sequential_cell_and_cells_in_a_construct_fuse_alike():
+    # In a SequentialCell, GRAPH_MODE runs a Dense cell and the ReLU cell after it as one
+    # DenseReLU without deferring (graph_mode._sequence); called from a construct, the Dense op is
+    # deferred and fused at the ReLU. Same op, same values, eager's bit for bit on reference bodies.
+    def forward():
+        minidl.set_seed(3)
+        seq = nn.SequentialCell([nn.Dense(20, 32), nn.ReLU(), nn.Dense(32, 10)])
+        minidl.set_seed(3)
+        plain = CellsInConstruct()
+        out = []
+        for net in (seq, plain):
+            x = data((6, 20))
+            x.requires_grad = True
+            y = net(x)
+            names = node_names(y)
+            y.sum().backward()
+            out.append((y.asnumpy(), x.grad.asnumpy(), [p.grad.asnumpy() for p in net.trainable_params()], names))
+        return out
+    with kernels.reference_only():
+        eager, graph = both(forward)
+    assert_same([o[:3] for o in eager], [o[:3] for o in graph])
+    assert_same(graph[0][:3], graph[1][:3])
+    assert sorted(graph[0][3]) == sorted(graph[1][3]) == ["Dense", "DenseReLU"]
+
+
+def test_the_sequential_route_leaves_what_it_cannot_fuse_to_the_cells():
+    class MySequence(nn.SequentialCell):   # a subclass's own construct runs as written
+        def construct(self, x):
+            for cell in self._cells.values():
+                x = cell(x)
+            return x
+
+    def forward():
+        outs = []
+        for net, x in ((nn.SequentialCell([nn.Dense(20, 6), nn.ReLU()]), data((2, 3, 20))),  # 3-D: reshaped
+                       (nn.SequentialCell([nn.Dense(20, 6, activation="relu"), nn.ReLU()]), data((4, 20))),
+                       (MySequence([nn.Dense(20, 6), nn.ReLU()]), data((4, 20))),
+                       (nn.SequentialCell([nn.Dense(20, 6), nn.Sigmoid()]), data((4, 20)))):
+            y = net(x)
+            outs.append((y.asnumpy(), node_names(y)))
+        return outs
+    with kernels.reference_only():
+        eager, graph = both(forward)
+    assert_same([o[0] for o in eager], [o[0] for o in graph])
+    assert "Reshape" in graph[0][1] and "DenseReLU" not in graph[0][1]   # the ReLU sees the reshaped output
+    assert graph[1][1].count("ReLU") == 1 and "DenseReLU" in graph[1][1]   # Dense's own ReLU fused; the next runs
+    assert graph[2][1] == ["DenseReLU"]                                    # deferred and fused instead
+    assert "DenseReLU" not in graph[3][1] and "Dense" in graph[3][1]
+
+
+def test_the_sequential_route_raises_eagers_errors():
+    messages = []
+    for m in MODES:
+        with mode(m):
+            net = nn.SequentialCell([nn.Dense(20, 6), nn.ReLU()])
+            for x in (data((4, 20), dtype=np.float64), data((4, 21))):
+                with pytest.raises((TypeError, ValueError)) as err:
+                    net(x)
+                messages.append(f"{type(err.value).__name__}: {err.value}")
+    assert messages[:2] == messages[2:]
+    assert messages[0].startswith("TypeError: Dense:") and messages[1].startswith("ValueError: Dense:")

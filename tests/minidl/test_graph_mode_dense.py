@@ -94,11 +94,36 @@ def test_nn_dense_is_one_op_in_both_modes_and_fuses_its_relu_in_graph_mode():
             mlp(), nn.SequentialCell([nn.Dense(20, 6, has_bias=False), nn.ReLU()]),  # DenseReLU(x, w)
             nn.Dense(20, 6, activation="relu"), nn.Dense(20, 6, has_bias=False))]
     eager, graph = both(forward)
-    assert "DenseReLU" not in sum(eager, []) and not {"MatMul", "BiasAdd"} & set(sum(eager + graph, []))
+    assert "DenseReLU" not in sum(eager[:2], []) and not {"MatMul", "BiasAdd"} & set(sum(eager + graph, []))
     assert sorted(eager[0]) == ["Dense"] * 3 + ["ReLU"] * 2
     assert sorted(graph[0]) == ["Dense", "DenseReLU", "DenseReLU"]   # the last layer has no ReLU
-    assert graph[1] == graph[2] == ["DenseReLU"]
+    assert graph[1] == ["DenseReLU"]
+    assert eager[2] == graph[2] == ["DenseReLU"]   # activation="relu": the layer's own one op, in both modes
     assert eager[3] == graph[3] == ["Dense"]   # no bias, no ReLU: the Dense runs as eager's
+
+
+@pytest.mark.parametrize("activation", ["relu", "sigmoid"])
+def test_nn_dense_with_an_activation_equals_dense_then_the_activation_cell(activation):
+    # activation="relu" runs DenseReLU in both modes; another activation runs after the Dense op.
+    def forward():
+        out = []
+        for fused in (True, False):
+            minidl.set_seed(4)
+            fc = nn.Dense(20, 6, activation=activation)
+            net = fc if fused else nn.SequentialCell([UserDense(20, 6), nn.get_activation(activation)])
+            if not fused:
+                net[0].weight.set_data(fc.weight.data.copy())
+                net[0].bias.set_data(fc.bias.data.copy())
+            x = data((5, 20))
+            x.requires_grad = True
+            y = net(x)
+            y.sum().backward()
+            out.append((y.asnumpy(), x.grad.asnumpy(), [p.grad.asnumpy() for p in net.trainable_params()]))
+        return out
+    with kernels.reference_only():
+        eager, graph = both(forward)
+    assert_same(eager, graph)
+    assert_same(eager[0], eager[1])
 
 
 def test_a_user_written_dense_fuses_in_graph_mode_only():

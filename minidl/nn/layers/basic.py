@@ -6,7 +6,7 @@ from ...common.initializer import initializer, HeUniform, Uniform
 from ...runtime import LOCAL, get_runtime
 from ...tensor import Parameter, Tensor, float32
 from ..cell import Cell
-from .activation import get_activation
+from .activation import ReLU, get_activation
 
 
 def check_positive_int(who, arg, value):
@@ -53,7 +53,8 @@ class Dense(Cell):
 
     Inputs of rank > 2 are treated as a batch of vectors along the last dimension. The product
     and the bias are one op, ``ops.Dense`` (MindSpore's layer calls MatMul then BiasAdd: the same
-    values); after ``shard()`` those two ops run, with their strategies.
+    values), and with ``activation="relu"`` the ReLU too, ``ops.DenseReLU``; after ``shard()``
+    MatMul, BiasAdd and the activation run, with their strategies.
 
     Example:
         >>> fc = nn.Dense(3, 4, activation="relu")
@@ -83,6 +84,7 @@ class Dense(Cell):
         self.matmul = ops.MatMul(transpose_b=True)
         self.bias_add = ops.BiasAdd()
         self.dense = ops.Dense()  # MatMul and BiasAdd in one op, where neither is sharded (construct)
+        self.dense_relu = ops.DenseReLU()  # and with activation="relu" (an nn.ReLU), the ReLU too
         self.reshape = ops.Reshape()
 
     def construct(self, x):
@@ -96,15 +98,20 @@ class Dense(Cell):
         if (self.matmul.in_strategy is None and self.bias_add.in_strategy is None
                 and get_runtime() is LOCAL):
             # The same product and bias as the two ops below, in one op call (ops/dense.py): one
-            # pass over the output fewer, and half the Python per layer. Under a parallel runtime
+            # pass over the output fewer, and half the Python per layer; an nn.ReLU activation
+            # joins them (DenseReLU: the ReLU applied in the same sweep). Under a parallel runtime
             # and after shard() the two ops run, as their strategies and rules say.
-            x = self.dense(x, self.weight, self.bias) if self.has_bias else self.dense(x, self.weight)
+            fused = type(self.activation) is ReLU
+            op = self.dense_relu if fused else self.dense
+            x = op(x, self.weight, self.bias) if self.has_bias else op(x, self.weight)
+            if self.activation is not None and not fused:
+                x = self.activation(x)
         else:
             x = self.matmul(x, self.weight)
             if self.has_bias:
                 x = self.bias_add(x, self.bias)
-        if self.activation is not None:
-            x = self.activation(x)
+            if self.activation is not None:
+                x = self.activation(x)
         if flat:
             x = self.reshape(x, tuple(shape[:-1]) + (self.out_channels,))
         return x

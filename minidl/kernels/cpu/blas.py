@@ -44,8 +44,8 @@ declare_option("blas", os.environ.get("MINIDL_BLAS") or None,
                "installed (pip install 'minidl[mkl]'), else NumPy's OpenBLAS; default: $MINIDL_BLAS")
 
 declare_option("blas_compiled", True,
-               "make matmul's BLAS call from Numba-compiled code (blas_compiled.py: the same call, about 1 us "
-               "instead of 15 through ctypes) where Numba is installed; False: through ctypes")
+               "make matmul's BLAS call from Numba-compiled code (blas_compiled.py: the same call, without "
+               "ctypes' per-call Python) where Numba is installed; False: through ctypes")
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _MKL_INTEL_THREADS = 0  # MKL_Set_Threading_Layer's MKL_THREADING_INTEL (Intel OpenMP)

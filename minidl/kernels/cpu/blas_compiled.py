@@ -1,11 +1,11 @@
 """blas.matmul's call compiled by Numba: the same cblas_?gemm call, made without ctypes.
 
-Why. A Dense layer's GEMM is a few hundred microseconds; its call through ctypes cost about 15
-microseconds more: each operand's address through ``__array_interface__`` (a new dict per array),
-the strides checked in Python, 14 arguments converted, the thread count set and put back through
-ctypes twice. The MLP's step makes 8 such calls. Here one compiled function checks the strides,
-reads the addresses from the arrays and calls the library's gemm and thread-count setter through
-their addresses: about one microsecond, most of it Numba's dispatch.
+Why. Through ctypes each GEMM call pays Python for every operand's address (``__array_interface__``
+builds a new dict per array), the strides checked in Python, 14 arguments converted, and the
+thread count set and put back through ctypes twice; the MLP's step makes 8 such calls. Here one
+compiled function checks the strides, reads the addresses from the arrays and calls the library's
+gemm and thread-count setter through their addresses, for the cost of one Numba dispatch. The
+MLP's step: docs/performance.md (``bench_step_ab.py --option blas_compiled=False``).
 
 The call is the ctypes route's argument for argument (same function, same transposes, leading
 dimensions and beta), so its results are the same bits (tests/minidl/kernels/test_taps.py checks

@@ -335,14 +335,24 @@ def _matmul(prim, args):
 
 def _dense(prim, args):
     """Defers a Dense call (nn.Dense's one op: x @ w.T + b of local tensors), once eager's checks pass."""
-    if len(args) not in (2, 3) or not all(isinstance(a, Tensor) for a in args):
-        return prim.apply(*args)
-    arrays = [a.data for a in args]  # resolves watches and deferred inputs, as eager's order
-    if any(a.placement is not None for a in args) or len({type(a) for a in arrays}) != 1:
+    arrays = _checked_dense_arrays(prim, args)
+    if arrays is None:
         return prim.apply(*args)  # eager's call (and its errors: a device mix names Dense)
     x, w = arrays[:2]
-    prim._check(*arrays) if len(arrays) == 3 else prim._check(x, w, None)
     return _defer_head(prim, Dense, args, (x.shape[0], w.shape[0]), x.dtype)
+
+
+def _checked_dense_arrays(prim, args):
+    """The arrays of Dense ``prim``'s 2 or 3 args when all are local Tensors on one device, after
+    the op's own checks (which raise eager's errors); None where the call must run as eager's.
+    Reading ``.data`` resolves watches and computes a deferred input first, as eager's order."""
+    if len(args) not in (2, 3) or not all(isinstance(a, Tensor) for a in args):
+        return None
+    arrays = [a.data for a in args]
+    if any(a.placement is not None for a in args) or len({type(a) for a in arrays}) != 1:
+        return None
+    prim._check(*arrays) if len(arrays) == 3 else prim._check(*arrays, None)
+    return arrays
 
 
 def _defer_head(prim, cls, args, shape, dtype):
@@ -504,19 +514,14 @@ def _sequence(seq, x):
 
 def _dense_relu(dense, x):
     """``relu(dense(x))`` as one DenseReLU for an nn.Dense cell whose call would defer its one Dense
-    op (no activation, not sharded, 2-D x of its in_channels: see _dense) and whose output a ReLU
+    op (no activation, ``one_op()``, 2-D x of its in_channels: see _dense) and whose output a ReLU
     fuses; the Dense op's checks first, so errors are eager's. None where the cells must run."""
-    if (dense.activation is not None or dense.matmul.in_strategy is not None
-            or dense.bias_add.in_strategy is not None or not isinstance(x, Tensor) or x.ndim != 2
+    if (dense.activation is not None or not dense.one_op() or not isinstance(x, Tensor) or x.ndim != 2
             or x.shape[1] != dense.in_channels):
         return None
     args = (x, dense.weight, dense.bias) if dense.has_bias else (x, dense.weight)
-    if not all(isinstance(a, Tensor) for a in args):
+    if _checked_dense_arrays(dense.dense, args) is None:
         return None
-    arrays = [a.data for a in args]  # computes a deferred x first, as the Dense call would
-    if any(a.placement is not None for a in args) or len({type(a) for a in arrays}) != 1:
-        return None
-    dense.dense._check(*arrays) if len(arrays) == 3 else dense.dense._check(*arrays, None)
     return DenseReLU().apply(*args)
 
 

@@ -95,12 +95,10 @@ class Dense(Cell):
         flat = len(shape) != 2
         if flat:
             x = self.reshape(x, (math.prod(shape[:-1]), self.in_channels))
-        if (self.matmul.in_strategy is None and self.bias_add.in_strategy is None
-                and get_runtime() is LOCAL):
+        if self.one_op():
             # The same product and bias as the two ops below, in one op call (ops/dense.py): one
             # pass over the output fewer, and half the Python per layer; an nn.ReLU activation
-            # joins them (DenseReLU: the ReLU applied in the same sweep). Under a parallel runtime
-            # and after shard() the two ops run, as their strategies and rules say.
+            # joins them (DenseReLU: the ReLU applied in the same sweep).
             fused = type(self.activation) is ReLU
             op = self.dense_relu if fused else self.dense
             x = op(x, self.weight, self.bias) if self.has_bias else op(x, self.weight)
@@ -115,6 +113,12 @@ class Dense(Cell):
         if flat:
             x = self.reshape(x, tuple(shape[:-1]) + (self.out_channels,))
         return x
+
+    def one_op(self):
+        """Whether construct runs the product and bias as one ``ops.Dense`` (``DenseReLU`` with an
+        nn.ReLU activation): neither MatMul nor BiasAdd sharded, on the local runtime. Otherwise
+        the two ops run, as their strategies and tensor-parallel rules say. Resolved at each call."""
+        return self.matmul.in_strategy is None and self.bias_add.in_strategy is None and get_runtime() is LOCAL
 
     def shard(self, strategy):
         """Tensor parallelism: the MatMul's strategy, the bias following its output cut. Returns self.

@@ -26,10 +26,23 @@ OpenMP (PyTorch) take the cores from each other, and peak memory would mix the t
 workers alternate for ``--repeats`` rounds; each round reports the median step time of its
 ``--steps`` steps (a few steps slowed by a neighbour do not move it), and the best round of
 each is kept. Finally the framework overhead of one tiny op is printed.
+
+``--interleave BLOCKS`` times the models another way, for ratios on a noisy machine: this
+project's machines slow down for seconds at a time, so the best of a few rounds can catch one
+framework in a fast second and the other in a slow one, and the ratio moves by 20% from one run
+to the next. Here each framework keeps one long-lived worker, and the driver has them take turns:
+BLOCKS blocks each, of one untimed step (it wakes the thread pools) and ``--steps`` timed ones,
+the order reversed every other block, after a pause of PAUSE_S with every worker idle (so the
+other's spinning threads have gone to sleep). Blocks a few tens of milliseconds apart see the
+same machine, so the ratio compares like with like. A process can also be slow for its whole
+life (where its memory landed), so this is done ``--repeats`` times with fresh workers. It
+prints the median over all the blocks of each block's median step (ms/step and the ratio), in
+how many blocks minidl was the faster, and each one's fastest block.
 """
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -44,6 +57,7 @@ MODELS = {
     "mlp": dict(arch="mlp", batch=256, input=(784,), classes=10),
 }
 GEMM_REPS = 10
+PAUSE_S = 0.02  # --interleave: idle time before each block (OpenMP's spin-waits end within it)
 
 
 def parse_args():
@@ -54,7 +68,11 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="BLAS / intra-op threads for both frameworks and the sgemm")
-    p.add_argument("--repeats", type=int, default=3, help="alternating timing rounds; the best is kept")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="alternating timing rounds, the best kept (with --interleave: fresh pairs of workers)")
+    p.add_argument("--interleave", type=int, default=0, metavar="BLOCKS",
+                   help="time the models in BLOCKS alternating blocks of --steps steps, one long-lived worker "
+                        "per framework (see above); 0: the --repeats rounds")
     p.add_argument("--mode", choices=["pynative", "graph"], default="pynative",
                    help="minidl's execution mode: set_context(mode=PYNATIVE_MODE or GRAPH_MODE)")
     p.add_argument("--gemm-size", type=int, default=2048, help="n of the n x n x n sgemm that measures the limit")
@@ -93,8 +111,8 @@ def time_steps(step, x, y, steps):
     return sorted(times)[len(times) // 2]
 
 
-def train_worker(framework, model):
-    """Times one round of training steps of ``model`` in ``framework``; reports time and memory."""
+def training_setup(framework, model):
+    """(step, x, y, resident MiB after the framework's import) of ``model`` in ``framework``."""
     import numpy as np
     spec = MODELS[model]
     if framework == "minidl":
@@ -112,9 +130,33 @@ def train_worker(framework, model):
     rng = np.random.default_rng(0)
     x = convert(rng.standard_normal((spec["batch"],) + spec["input"]).astype(np.float32))
     y = convert(rng.integers(0, spec["classes"], spec["batch"]).astype(np.int64))
+    return step, x, y, after_import
+
+
+def train_worker(framework, model):
+    """Times one round of training steps of ``model`` in ``framework``; reports time and memory."""
+    step, x, y, after_import = training_setup(framework, model)
     time_steps(step, x, y, args.warmup)
     seconds = time_steps(step, x, y, args.steps)
     return {"seconds": seconds, "peak_mib": memory_mib()[1], "import_mib": after_import}
+
+
+def serve_blocks(framework, model):
+    """--interleave's worker: after the warm-up prints {"ready": true}; then for each line n on
+    stdin, one untimed step and n timed ones, printing {"times": [...]}; at the end of stdin,
+    returns its memory as train_worker does."""
+    step, x, y, after_import = training_setup(framework, model)
+    time_steps(step, x, y, args.warmup)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        step(x, y)
+        times = []
+        for _ in range(int(line)):
+            t0 = time.perf_counter()
+            step(x, y)
+            times.append(time.perf_counter() - t0)
+        print(json.dumps({"times": times}), flush=True)
+    return {"peak_mib": memory_mib()[1], "import_mib": after_import}
 
 
 def sgemm_worker(framework):
@@ -164,6 +206,8 @@ def overhead_worker():
 def worker(kind):
     if kind in ("minidl", "pytorch"):
         return train_worker(kind, args.model)
+    if kind in ("minidl-blocks", "pytorch-blocks"):
+        return serve_blocks(kind[:-len("-blocks")], args.model)
     if kind.startswith("sgemm-"):
         return sgemm_worker(kind[len("sgemm-"):])
     if kind == "overhead":
@@ -173,11 +217,14 @@ def worker(kind):
 
 # ---- driver: imports no framework ----
 
-def run_worker(kind, model="mlp"):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--model", model, "--mode", args.mode,
+def worker_command(kind, model):
+    return [sys.executable, os.path.abspath(__file__), "--worker", kind, "--model", model, "--mode", args.mode,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
            "--gemm-size", str(args.gemm_size)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+
+
+def run_worker(kind, model="mlp"):
+    out = subprocess.run(worker_command(kind, model), capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"bench_train: worker {kind} {model} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -215,13 +262,26 @@ def machine():
 
 
 def bench(arch, models, torch_ok):
-    """Alternating rounds of every minidl model of ``arch``, its PyTorch twin and the sgemm; one table."""
-    import flops
-    spec = MODELS[models[0]]
+    """Every minidl model of ``arch`` and its PyTorch twin, in alternating rounds (or blocks, with
+    --interleave), and the sgemm; one table."""
     runs = [("minidl", m) for m in models] + ([("pytorch", arch)] if torch_ok else [])
     gemms = ["numpy"] + (["pytorch"] if torch_ok else [])
-    best = {r: {"seconds": float("inf"), "peak_mib": 0.0, "import_mib": 0.0} for r in runs}
     gemm = {g: 0.0 for g in gemms}
+    if args.interleave:
+        results = {}
+        for _ in range(args.repeats):  # fresh workers each time: a process can be slow all its life
+            for g in gemms:
+                gemm[g] = max(gemm[g], run_worker(f"sgemm-{g}")["gflops"])
+            for run, r in interleaved(runs).items():
+                merged = results.setdefault(run, {"blocks": [], "peak_mib": 0.0, "import_mib": 0.0})
+                merged["blocks"] += r["blocks"]
+                merged["peak_mib"] = max(merged["peak_mib"], r["peak_mib"])
+                merged["import_mib"] = max(merged["import_mib"], r["import_mib"])
+        for r in results.values():
+            r["seconds"] = statistics.median(r["blocks"])
+        print_table(arch, MODELS[models[0]], results, gemm)
+        return
+    best = {r: {"seconds": float("inf"), "peak_mib": 0.0, "import_mib": 0.0} for r in runs}
     for _ in range(args.repeats):
         for g in gemms:
             gemm[g] = max(gemm[g], run_worker(f"sgemm-{g}")["gflops"])
@@ -230,6 +290,58 @@ def bench(arch, models, torch_ok):
             b["seconds"] = min(b["seconds"], r["seconds"])
             b["peak_mib"] = max(b["peak_mib"], r["peak_mib"])  # the worst round: memory should not vary
             b["import_mib"] = max(b["import_mib"], r["import_mib"] or 0.0)
+    print_table(arch, MODELS[models[0]], best, gemm)
+
+
+def interleaved(runs):
+    """{run: {"blocks", "peak_mib", "import_mib"}}: the median step of each of --interleave blocks
+    that each run's long-lived worker ran in turn."""
+    import tempfile
+    workers = {}
+    try:
+        for framework, model in runs:
+            errors = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty worker cannot block on it
+            proc = subprocess.Popen(worker_command(f"{framework}-blocks", model), stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=errors, text=True)
+            workers[(framework, model)] = (proc, errors)
+        for run in runs:
+            read_reply(run, workers[run])
+        blocks = {run: [] for run in runs}
+        for b in range(args.interleave):
+            for run in (runs if b % 2 == 0 else runs[::-1]):
+                time.sleep(PAUSE_S)
+                proc = workers[run][0]
+                proc.stdin.write(f"{args.steps}\n")
+                proc.stdin.flush()
+                blocks[run].append(statistics.median(read_reply(run, workers[run])["times"]))
+        out = {}
+        for run in runs:
+            proc = workers[run][0]
+            proc.stdin.close()
+            memory = read_reply(run, workers[run])
+            proc.wait(timeout=60)
+            out[run] = {"blocks": blocks[run], "peak_mib": memory["peak_mib"], "import_mib": memory["import_mib"] or 0.0}
+        return out
+    finally:
+        for proc, errors in workers.values():
+            if proc.poll() is None:
+                proc.kill()
+            errors.close()
+
+
+def read_reply(run, worker):
+    """The next JSON line of a --interleave worker; its stderr in the error when it died."""
+    proc, errors = worker
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait()
+        errors.seek(0)
+        raise RuntimeError(f"bench_train: worker {run[0]} {run[1]} exited ({proc.returncode}):\n{errors.read()}")
+    return json.loads(line)
+
+
+def print_table(arch, spec, results, gemm):
+    import flops
     step_flop = flops.step_flops(flops.ARCHITECTURES[arch](), spec["batch"])[1]
     limit = max(gemm.values())
     print(f"\n{arch}, batch {spec['batch']}: conv + linear {step_flop / 1e9:.2f} GFLOP per step (forward + backward); "
@@ -237,13 +349,19 @@ def bench(arch, models, torch_ok):
           + ", ".join(f"{g} {v:.0f}" for g, v in gemm.items()) + f" GFLOP/s; limit {limit:.0f} GFLOP/s")
     print(f"  {'run':22s} {'ms/step':>8s} {'img/s':>8s} {'vs torch':>8s} {'GFLOP/s':>8s} {'of limit':>8s} "
           f"{'peak RSS':>9s} {'at import':>9s}")
-    torch_s = best.get(("pytorch", arch), {}).get("seconds")
-    for (framework, model), b in best.items():
+    torch_run = results.get(("pytorch", arch), {})
+    torch_s = torch_run.get("seconds")
+    for (framework, model), b in results.items():
         t = b["seconds"]
         ratio = f"{torch_s / t:8.2f}" if torch_s and framework == "minidl" else f"{'':8s}"
         label = f"{framework} {model}" if framework == "minidl" else f"pytorch {arch}"
         print(f"  {label:22s} {t * 1e3:8.1f} {spec['batch'] / t:8.1f} {ratio} {step_flop / t / 1e9:8.1f} "
               f"{step_flop / t / 1e9 / limit:8.2f} {b['peak_mib']:5.0f} MiB {b['import_mib']:5.0f} MiB", flush=True)
+    for (framework, model), b in results.items():
+        if framework == "minidl" and "blocks" in b and "blocks" in torch_run:
+            won = sum(m < t for m, t in zip(b["blocks"], torch_run["blocks"]))
+            print(f"  minidl {model} was faster than pytorch in {won} of {len(b['blocks'])} blocks; "
+                  f"fastest block {min(b['blocks']) * 1e3:.1f} ms against {min(torch_run['blocks']) * 1e3:.1f}")
 
 
 def load_note():
@@ -253,10 +371,17 @@ def load_note():
     return f"load average {load:.2f}{busy}"
 
 
+def schedule():
+    if args.interleave:
+        return (f"{args.repeats} x {args.interleave} interleaved blocks of {args.steps} steps per framework "
+                f"(fresh workers {args.repeats} times), median of the blocks' medians")
+    return f"{args.steps} steps per round, best of {args.repeats} rounds"
+
+
 def main():
     torch_ok = installed("torch")
     print(f"machine: {machine()}; threads={args.threads}; numpy {version('numpy')}; torch {version('torch')}; "
-          f"minidl mode {args.mode}; {args.steps} steps per round, best of {args.repeats} rounds; {load_note()}")
+          f"minidl mode {args.mode}; {schedule()}; {load_note()}")
     models = ["resnet20", "resnet20_user", "mlp"] if args.model == "all" else [args.model]
     for arch in dict.fromkeys(MODELS[m]["arch"] for m in models):
         bench(arch, [m for m in models if MODELS[m]["arch"] == arch], torch_ok)

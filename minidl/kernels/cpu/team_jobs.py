@@ -122,15 +122,14 @@ def masked_sums(gy, y, g, gb):
 # job's own: addresses and sizes as int64, scalars as float64 bits -----------------------------
 
 def momentum_multi_header(ws, vs, gs, lr, m, nesterov):
-    """The header of :data:`momentum_multi_job` over parameters k = 0.. with flat arrays ws[k],
-    vs[k], gs[k] of one dtype: the range is their elements end to end."""
-    count = len(ws)
-    head = numpy.zeros(8 + 4 * count, dtype=numpy.int64)
-    head[2:5] = (count, ws[0].itemsize if count else _F32, nesterov)
+    """The header of :data:`momentum_multi_job` over parameters k = 0.. with C-contiguous arrays
+    ws[k], vs[k], gs[k] of one dtype and shape per k: the range is their elements end to end."""
+    slots = [0, 0, len(ws), ws[0].itemsize if ws else _F32, int(nesterov), 0, 0, 0]
+    for w, v, g in zip(ws, vs, gs):
+        slots += (address(w), address(v), address(g), w.size)  # (a list, then one array: an optimizer step's cost)
+    slots[7] = sum(w.size for w in ws)
+    head = numpy.array(slots, dtype=numpy.int64)
     head.view(numpy.float64)[5:7] = (lr, m)
-    for k, (w, v, g) in enumerate(zip(ws, vs, gs)):
-        head[8 + 4 * k:12 + 4 * k] = (address(w), address(v), address(g), w.size)
-    head[7] = sum(w.size for w in ws)
     return head
 
 

@@ -73,23 +73,25 @@ class MultiApplyMomentumLoop(Kernel):
         if not (self.available and variables and len(variables) == len(accumulations) == len(gradients)):
             return False
         dtype = getattr(variables[0], "dtype", None)
-        return (dtype is not None and dtype.char in "fd"
-                and all(_plain(a, w, dtype) for w, v, g in zip(variables, accumulations, gradients) for a in (w, v, g)))
+        if dtype is None or dtype.char not in "fd":
+            return False
+        for w, v, g in zip(variables, accumulations, gradients):  # (a loop, not all() of a generator: per step)
+            if not (_plain(w, w, dtype) and _plain(v, w, dtype) and _plain(g, w, dtype)):
+                return False
+        return True
 
     def forward(self, node, variables, accumulations, learning_rate, gradients, momentum):
         team_jobs = team.jobs()
-        ws = [w.reshape(-1) for w in arrays_of(variables)]
-        vs = [v.reshape(-1) for v in arrays_of(accumulations)]
-        gs = [g.reshape(-1) for g in arrays_of(gradients)]
+        ws, vs, gs = arrays_of(variables), arrays_of(accumulations), arrays_of(gradients)
         threads = team.threads(sum(w.nbytes for w in ws))
-        if threads > 1:
+        if threads > 1:  # the header holds addresses and sizes: C-contiguous arrays need no flat views
             head = team_jobs.momentum_multi_header(ws, vs, gs, learning_rate, momentum, node.use_nesterov)
             team.run(team_jobs.momentum_multi_job, head, threads)
         else:
             scalar = ws[0].dtype.type
             lr, m = scalar(learning_rate), scalar(momentum)
             for w, v, g in zip(ws, vs, gs):
-                team_jobs.momentum(w, v, g, lr, m, node.use_nesterov)
+                team_jobs.momentum(w.reshape(-1), v.reshape(-1), g.reshape(-1), lr, m, node.use_nesterov)
         return variables
 
     def cases(self):

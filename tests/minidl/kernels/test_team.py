@@ -1,6 +1,6 @@
 """Passes on MKL's OpenMP team (minidl/kernels/cpu/team.py, team_jobs.py) against the same passes
 on one thread and against NumPy, bit for bit: the Dense kernels' bias-and-ReLU sweep and masked
-gradient sums, and ApplyMomentum's update. ``team_min_bytes=0`` sends every size to the team,
+gradient sums, and ApplyMomentum's update (one parameter, and MultiApplyMomentum's several). ``team_min_bytes=0`` sends every size to the team,
 shapes with fewer rows or columns than threads included."""
 import os
 import threading
@@ -79,6 +79,23 @@ def test_momentum_on_the_team_is_the_references_bit_for_bit(n, dtype, nesterov, 
     (w_team, v_team), (w_ref, v_ref) = results
     assert not np.array_equal(w_team, w)
     assert same(w_team, w_ref) and same(v_team, v_ref)
+
+
+@given(shapes=st.lists(st.one_of(shapes, st.tuples(st.integers(1, 300))), min_size=1, max_size=5), dtype=dtypes,
+       nesterov=st.booleans(), seed=st.integers(0, 2**16))
+def test_multi_momentum_on_the_team_is_the_references_bit_for_bit(shapes, dtype, nesterov, seed):
+    # Parameters of several shapes, 2-D ones as they are (the header takes their addresses, no flat views).
+    rng = np.random.default_rng(seed)
+    ws, vs, gs = ([draw(rng, s, dtype, specials=False) for s in shapes] for _ in range(3))
+    results = []
+    for reference in (False, True):
+        wt, vt = [Tensor(w.copy()) for w in ws], [Tensor(v.copy()) for v in vs]
+        with kernels.reference_only(reference):
+            ops.MultiApplyMomentum(use_nesterov=nesterov)(wt, vt, 0.05, [Tensor(g) for g in gs], 0.9)
+        results.append(([t.asnumpy() for t in wt], [t.asnumpy() for t in vt]))
+    (w_team, v_team), (w_ref, v_ref) = results
+    assert not any(np.array_equal(a, w) for a, w in zip(w_team, ws))
+    assert all(same(a, b) for a, b in zip(w_team + v_team, w_ref + v_ref))
 
 
 def test_threads_running_team_passes_at_once_each_get_their_own_result():

@@ -15,8 +15,8 @@ neighbours). One net, not two: two identical nets alternating measured 1.12x apa
 nothing changed, from where their arrays lie in memory. Prints the median step of each and
 their ratio; ``--change none`` (A against A) shows the harness's own spread. Each change
 swaps two routes the tests hold to the same results (the kernels' differential tests,
-tests/minidl/test_graph_mode_dense.py, tests/minidl/optim/test_optim.py); this script
-itself is not run by the tests.
+tests/minidl/test_graph_mode_dense.py, tests/minidl/optim/test_optim.py); tests/test_benchmarks.py
+runs this script itself, tiny, to see that it runs.
 
 ``--option NAME=value`` (repeatable) instead runs B with a kernels option set
 (``minidl.kernels.options()`` lists them), and ``--set module.NAME=value`` with a module

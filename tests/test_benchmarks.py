@@ -1,0 +1,52 @@
+"""The benchmarks run end to end, tiny (the figures are not checked, only that the scripts run
+and report): bench_train.py's two schedules (PyTorch joins where installed) and bench_step_ab.py's
+A/B, in a change of each kind."""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+TORCH = importlib.util.find_spec("torch") is not None
+# Fresh processes on the CPU: under MINIDL_TEST_DEVICE they would look for the machine's own CuPy.
+pytestmark = pytest.mark.cpu_only
+
+
+def run_script(name, *arguments):
+    out = subprocess.run([sys.executable, os.path.join(BENCHMARKS, name), *arguments], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def run_bench(*extra):
+    return run_script("bench_train.py", "--model", "mlp", "--mode", "graph", "--steps", "2", "--warmup", "1",
+                      "--repeats", "1", "--threads", "1", "--gemm-size", "64", *extra)
+
+
+@pytest.mark.parametrize("schedule", ["rounds", "interleave"])
+def test_bench_train_prints_each_framework_row(schedule):
+    extra = ("--interleave", "3") if schedule == "interleave" else ()
+    text = run_bench(*extra)
+    expected = "1 x 3 interleaved blocks of 2 steps" if extra else "2 steps per round, best of 1 rounds"
+    assert expected in text
+    rows = [line.split() for line in text.splitlines()
+            if line.strip().startswith(("minidl mlp", "pytorch mlp")) and "was faster" not in line]
+    assert [r[0] for r in rows] == (["minidl", "pytorch"] if TORCH else ["minidl"])
+    assert all(float(r[2]) > 0 for r in rows)  # ms/step
+    if extra and TORCH:
+        won = [line for line in text.splitlines() if "was faster than pytorch in" in line]
+        assert len(won) == 1 and "of 3 blocks; fastest block" in won[0]
+
+
+@pytest.mark.parametrize("change", [("--change", "none"), ("--change", "dense"), ("--option", "team=False")])
+def test_bench_step_ab_prints_both_variants_and_their_ratio(change):
+    text = run_script("bench_step_ab.py", *change, "--model", "mlp", "--mode", "graph", "--rounds", "1",
+                      "--steps", "2", "--warmup", "1", "--threads", "1")
+    a = [line for line in text.splitlines() if line.startswith("A  minidl:")]
+    b = [line for line in text.splitlines() if line.startswith("B  ")]
+    assert len(a) == len(b) == 1 and "ms/step" in b[0]
+    assert any(line.startswith("A is ") and "as fast as B" in line for line in text.splitlines())

@@ -3,6 +3,7 @@
     python benchmarks/bench_train.py                  # ResNet-20 twice (ours, user-written), MLP
     python benchmarks/bench_train.py --model resnet20_user --steps 20 --threads 1
     python benchmarks/bench_train.py --model mlp --mode graph   # minidl under set_context(mode=GRAPH_MODE)
+    python benchmarks/bench_train.py --model mlp --mode graph --interleave 20   # the two taking turns (below)
 
 Models: ``resnet20`` is minidl.models.resnet20 (its blocks call the fused
 ``BatchNorm2d.with_relu``); ``resnet20_user`` the same network written as a user writes it,

@@ -102,14 +102,20 @@ def memory_mib():
         return None, peak / (1024 * 1024 if sys.platform == "darwin" else 1024)
 
 
-def time_steps(step, x, y, steps):
-    """The median seconds of ``steps`` steps."""
+def step_times(step, x, y, steps):
+    """The seconds of each of ``steps`` steps."""
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         step(x, y)
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return times
+
+
+def time_steps(step, x, y, steps):
+    """The median seconds of ``steps`` steps."""
+    times = sorted(step_times(step, x, y, steps))
+    return times[len(times) // 2]
 
 
 def training_setup(framework, model):
@@ -151,12 +157,7 @@ def serve_blocks(framework, model):
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         step(x, y)
-        times = []
-        for _ in range(int(line)):
-            t0 = time.perf_counter()
-            step(x, y)
-            times.append(time.perf_counter() - t0)
-        print(json.dumps({"times": times}), flush=True)
+        print(json.dumps({"times": step_times(step, x, y, int(line))}), flush=True)
     return {"peak_mib": memory_mib()[1], "import_mib": after_import}
 
 

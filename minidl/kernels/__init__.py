@@ -48,12 +48,17 @@ class Kernel:
     draws often fall back to the reference).
     ``priority``: among an op's kernels, those with a higher one are asked first (then in
     registration order): a library kernel before the routes it would otherwise fall back to.
+    ``available``: False where the library the kernel calls is not installed (it then never
+    applies); ``extra``: the pip extra of minidl that installs it (``pip install -e ".[onednn]"``),
+    which the tests name when they skip the kernel's cases.
     """
 
     op = None
     backend = "numpy"
     bound = None
     priority = 0
+    available = True
+    extra = None
 
     @property
     def name(self):

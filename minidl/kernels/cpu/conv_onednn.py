@@ -102,7 +102,7 @@ def _plan(node, x_shape, w_shape):
 class Conv2DOneDNN(Kernel):
     op, backend = Conv2D, "numpy"
     bound = {"float32": BOUND["float32"]}
-    available = dnnl.installed()
+    available, extra = dnnl.installed(), "onednn"
     priority = 1  # asked before conv.py's Conv2DRoutes, which takes what this one does not
 
     def applies(self, node, x, w):

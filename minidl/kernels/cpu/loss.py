@@ -70,6 +70,7 @@ class SparseSoftmaxCrossEntropyLoop(Kernel):
     op, backend = SparseSoftmaxCrossEntropyWithLogits, "numpy"
     bound = {"float32": (1e-5, 1e-6), "float64": (1e-12, 1e-14)}
     available = importlib.util.find_spec("numba") is not None  # else the reference runs
+    extra = "numba"
 
     def applies(self, node, logits, labels):
         return (self.available and get_option("loss_numba") and isinstance(logits, numpy.ndarray) and isinstance(labels, numpy.ndarray)

@@ -38,7 +38,7 @@ def _product(a, b):
 class MatMulThreaded(Kernel):
     op, backend = MatMul, "numpy"
     bound = {"float32": (1e-5, 1e-5), "float64": (1e-13, 1e-13)}
-    available = blas.installed("mkl")
+    available, extra = blas.installed("mkl"), "mkl"
 
     def applies(self, node, x, w):
         return (x.ndim == 2 == w.ndim and x.dtype == w.dtype and x.dtype.kind == "f"

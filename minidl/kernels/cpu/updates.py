@@ -26,6 +26,7 @@ __all__ = ["ApplyMomentumLoop", "MultiApplyMomentumLoop"]
 class ApplyMomentumLoop(Kernel):
     op, backend = ApplyMomentum, "numpy"
     available = importlib.util.find_spec("numba") is not None  # else the reference runs (the tests skip its cases)
+    extra = "numba"
 
     def applies(self, node, variable, accumulation, learning_rate, gradient, momentum, scratch=None):
         arrays = (variable, accumulation, gradient)
@@ -66,7 +67,7 @@ def _plain(a, w, dtype):
 @register
 class MultiApplyMomentumLoop(Kernel):
     op, backend = MultiApplyMomentum, "numpy"
-    available = ApplyMomentumLoop.available
+    available, extra = ApplyMomentumLoop.available, ApplyMomentumLoop.extra
 
     def applies(self, node, variables, accumulations, learning_rate, gradients, momentum):
         variables, accumulations, gradients = arrays_of(variables), arrays_of(accumulations), arrays_of(gradients)

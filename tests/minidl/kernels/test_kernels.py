@@ -1,8 +1,10 @@
 """The kernels table: every registered kernel against its reference body (bit for bit or within its
 stated bound) on its own cases, and the table's switches."""
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +19,24 @@ pytestmark = pytest.mark.usefixtures("kernels_on")
 ALL = kernels.registered()
 
 
+def extras_of_the_project():
+    """The names under [project.optional-dependencies] in pyproject.toml."""
+    text = (Path(__file__).resolve().parents[3] / "pyproject.toml").read_text()
+    section = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    return set(re.findall(r"^([A-Za-z][\w-]*)\s*=", section, re.M))
+
+
+def test_a_kernel_on_an_optional_library_names_the_extra_that_installs_it():
+    """Its tests skip with that name where the library is missing (the README's command installs
+    only [test,mpi]), so a newcomer knows what to install to run them."""
+    extras = extras_of_the_project()
+    assert {"mkl", "numba", "onednn", "bench"} <= extras, extras
+    optional = [k for k in ALL if any("available" in vars(c) for c in type(k).__mro__ if c is not kernels.Kernel)]
+    assert {k.name for k in optional} >= {"Conv2DOneDNN", "MatMulThreaded"}
+    for k in optional:
+        assert k.extra in extras, f"{k.name}: extra={k.extra!r} is not an extra of pyproject.toml ({sorted(extras)})"
+
+
 def test_every_kernel_has_cases():
     assert ALL, "no kernel is registered"
     for k in ALL:
@@ -26,8 +46,8 @@ def test_every_kernel_has_cases():
 @pytest.mark.cpu_only  # the CuPy kernels' cases run on the device double (test_conv_kernels.py)
 @pytest.mark.parametrize("kernel", [k for k in ALL if k.backend == "numpy"], ids=lambda k: k.name)
 def test_kernel_equals_its_reference(kernel):
-    if not getattr(kernel, "available", True):
-        pytest.skip(f"{kernel.name} needs an optional extra that is not installed")
+    if not kernel.available:
+        pytest.skip(f"{kernel.name} needs the {kernel.extra} extra: pip install -e '.[{kernel.extra}]'")
     for make, arrays in kernel.cases():
         with kernels.only(kernel):  # (not another kernel of the op that is asked first)
             used = check_kernels(lambda *ts: make()(*ts), arrays, arrays[0].dtype)

@@ -148,7 +148,7 @@ def test_bad_inputs_name_what_was_wrong():
 
 @pytest.mark.cpu_only
 def test_equals_pytorch_with_the_same_weights():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the cross-check needs PyTorch: pip install -e '.[bench]'")
     m = _attention(8, 2)
     t = torch.nn.MultiheadAttention(8, 2, dtype=torch.float64)
     with torch.no_grad():  # PyTorch's fused in_proj holds minidl's q, k, v projections stacked

@@ -91,7 +91,7 @@ def test_conv2d_transpose_input_check():
 ])
 def test_conv2d_transpose_pad_mode_matches_torch(stride, padding, output_padding, dilation, group):
     """pad_mode='pad' is PyTorch's ConvTranspose2d: values and gradients of input, weight and bias."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the cross-check needs PyTorch: pip install -e '.[bench]'")
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 4, 5, 4))
     pad4 = padding if isinstance(padding, int) else (padding[0], padding[0], padding[1], padding[1])
@@ -161,7 +161,7 @@ def test_pooling_layer_errors(make, match):
 
 @pytest.mark.cpu_only
 def test_pooling_layers_match_torch():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the cross-check needs PyTorch: pip install -e '.[bench]'")
     rng = np.random.default_rng(6)
     x = rng.standard_normal((2, 3, 9, 10))
     pairs = [

@@ -64,7 +64,7 @@ def test_layer_norm_cell_arguments():
 
 @pytest.mark.cpu_only
 def test_layer_norm_cell_matches_torch():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the cross-check needs PyTorch: pip install -e '.[bench]'")
     rng = np.random.default_rng(1)
     x, w, b = rng.standard_normal((2, 3, 6)), rng.standard_normal(6), rng.standard_normal(6)
     ln = nn.LayerNorm((6,), gamma_init=Tensor(w), beta_init=Tensor(b), epsilon=1e-5, dtype=minidl.float64)

@@ -180,7 +180,7 @@ def test_leaky_relu_gradient_at_zero_is_alpha():
 
 @pytest.mark.cpu_only
 def test_smooth_units_match_torch():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the cross-check needs PyTorch: pip install -e '.[bench]'")
     x = np.random.default_rng(1).standard_normal(50) * 4
     tx = torch.tensor(x)
     pairs = [(ops.gelu(Tensor(x)), torch.nn.functional.gelu(tx)),

@@ -299,7 +299,7 @@ def test_kernel_size_error():
 
 def test_matches_torch():
     """Optional cross-check of values and both gradients against torch.nn.functional.conv2d."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the cross-check needs PyTorch: pip install -e '.[bench]'")
     rng = np.random.default_rng(6)
     for stride, dilation, pads, groups in [(1, 1, (1, 1, 1, 1), 1), (2, 1, (1, 1, 1, 1), 1),
                                            (1, 2, (2, 0, 1, 3), 2), (2, 1, (0, 0, 0, 0), 1)]:

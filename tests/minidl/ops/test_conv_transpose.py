@@ -194,7 +194,7 @@ def test_functional_errors(kwargs, err, match):
 ])
 def test_matches_torch(stride, padding, output_padding, dilation, groups):
     """Values and both gradients against torch.nn.functional.conv_transpose2d."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the cross-check needs PyTorch: pip install -e '.[bench]'")
     rng = np.random.default_rng(0)
     x, w, b = rng.standard_normal((2, 4, 5, 4)), rng.standard_normal((4, 6 // groups, 3, 3)), rng.standard_normal(6)
     tx, tw, tb = (torch.tensor(a, requires_grad=True) for a in (x, w, b))

@@ -110,7 +110,7 @@ def test_float32_gradients_stay_float32():
 
 @pytest.mark.cpu_only
 def test_match_torch():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the cross-check needs PyTorch: pip install -e '.[bench]'")
     rng = np.random.default_rng(3)
     x, w, b = rng.standard_normal((2, 4, 3, 5)), rng.standard_normal(5), rng.standard_normal(5)
     np.testing.assert_allclose(ops.layer_norm(Tensor(x), (5,), Tensor(w), Tensor(b)).asnumpy(),

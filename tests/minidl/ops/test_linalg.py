@@ -91,7 +91,7 @@ def test_matmul_is_numpy_matmul_with_gradients(xs, ws, data):
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("xs, ws", MATMUL_SHAPES[:5])
 def test_matmul_with_a_vector_matches_torch(xs, ws):
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the cross-check needs PyTorch: pip install -e '.[bench]'")
     rng = np.random.default_rng(0)
     x, w = rng.standard_normal(xs), rng.standard_normal(ws)
     gy = rng.standard_normal(np.matmul(x, w).shape)

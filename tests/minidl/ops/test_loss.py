@@ -297,7 +297,7 @@ def test_nll_loss_primitive_defaults_and_nothing_counted():
 
 @pytest.mark.cpu_only
 def test_nll_loss_matches_torch():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the cross-check needs PyTorch: pip install -e '.[bench]'")
     F = torch.nn.functional
     rng = np.random.default_rng(1)
     x, t, w = rng.standard_normal((4, 3, 5)), rng.integers(0, 3, (4, 5)), rng.random(3) + 0.5

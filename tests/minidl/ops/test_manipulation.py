@@ -367,7 +367,7 @@ def test_tensor_methods():
 
 @pytest.mark.cpu_only
 def test_against_torch():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the cross-check needs PyTorch: pip install -e '.[bench]'")
     F = torch.nn.functional
     a = np.random.default_rng(0).standard_normal((3, 4, 5))
     t = torch.tensor(a)

@@ -164,7 +164,7 @@ def test_avg_pool_needs_float():
 
 def test_matches_torch():
     """Optional cross-check of values and gradients against torch max_pool2d / avg_pool2d."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the cross-check needs PyTorch: pip install -e '.[bench]'")
     F = torch.nn.functional
     rng = np.random.default_rng(1)
     x = rng.standard_normal((2, 3, 9, 8))
@@ -322,7 +322,7 @@ def test_functional_defaults_follow_mindspore():
 ])
 def test_padded_pools_match_torch(kernel, stride, padding, dilation, ceil_mode, count_include_pad):
     """Values, gradients and indices against torch max_pool2d / avg_pool2d for the same arguments."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the cross-check needs PyTorch: pip install -e '.[bench]'")
     F = torch.nn.functional
     rng = np.random.default_rng(2)
     x = rng.standard_normal((2, 3, 9, 8))

@@ -100,7 +100,7 @@ def test_clamp_gives_x_the_gradient_on_the_closed_interval():
 
 @pytest.mark.cpu_only
 def test_clamp_matches_torch_including_the_bounds():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the cross-check needs PyTorch: pip install -e '.[bench]'")
     xs = np.array([-1.0, 0.0, 0.5, 1.0, 2.0, 1.5])
     los, his = np.array([0.0, 0.0, 0.2, 0.0, 0.0, 2.0]), np.array([1.0, 1.0, 0.4, 1.0, 1.5, 1.0])  # last: min > max
     tx, tlo, thi = (torch.tensor(a, requires_grad=True) for a in (xs, los, his))

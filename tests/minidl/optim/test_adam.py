@@ -132,7 +132,7 @@ def test_the_bias_corrected_adamw_rule_is_not_mindspores():
 def test_adam_equals_pytorch_with_pytorchs_eps_rescaled_each_step(amsgrad):
     """torch.optim.Adam(weight_decay=...) step for step: MindSpore's eps at step t is PyTorch's
     eps / sqrt(1 - beta2 ** t) (set before each torch step); everything else agrees exactly."""
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the cross-check needs PyTorch: pip install -e '.[bench]'")
     steps, lr, wd, eps, b1, b2 = 7, 0.05, 0.1, 1e-8, 0.9, 0.999
     params = make_params(3)
     grads = make_grads(4, steps)

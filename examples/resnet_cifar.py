@@ -15,9 +15,11 @@ Launched by mpirun (``--parallel auto``, the default), it calls ``minidl_paralle
 (``gradients_mean=True``), every rank starting from rank 0's parameters
 (``parameter_broadcast=True``), each rank reading its own shard of every epoch (the datasets
 are built with ``num_shards=get_group_size(), shard_id=get_rank()``), so ``--batch-size`` is
-per rank and the global batch is ``batch-size x ranks``. Every rank prints its own local
-loss, as MindSpore's LossMonitor does; this script's own messages and the evaluation, which
-covers the whole test set (and reports the same values on every rank), are printed by rank 0.
+per rank and the global batch is ``batch-size x ranks``. Everything is printed once, by
+rank 0: this script's own messages, rank 0's local loss and epoch times (``LossMonitor`` and
+``TimeMonitor`` with ``rank0_only=True``; without it every rank prints its own, each line
+prefixed ``[rank r]``), and the evaluation, which covers the whole test set (every rank
+computes the same values).
 The metrics log (``--log-file``) is written by rank 0; put ``{rank}`` in its name for one
 file per rank. The ResNets keep plain BatchNorm2d, whose statistics stay local to each rank
 (as in MindSpore and PyTorch); for exactly the single-process result on the global batch,
@@ -122,7 +124,7 @@ def main(argv=None):
     rank, size = setup_parallel(args.parallel)
 
     def say(message):
-        """This script's messages: once per job, from rank 0 (LossMonitor/TimeMonitor print per rank)."""
+        """This script's messages: once per job, from rank 0 (as the monitors below print)."""
         if rank == 0:
             print(message, flush=True)
 
@@ -146,7 +148,8 @@ def main(argv=None):
     optimizer = nn.Momentum(net.trainable_params(), learning_rate=lr, momentum=0.9, weight_decay=1e-4)
     model = Model(net, loss_fn, optimizer, metrics={"accuracy"})
     say(f"device {minidl.get_context('device_target')}, {steps} steps per epoch, batch {args.batch_size}")
-    callbacks = [LossMonitor(per_print_times=max(1, steps // 4)), TimeMonitor()]
+    # Rank 0's lines only: the ranks' losses differ (each its own shard) but tell the same story.
+    callbacks = [LossMonitor(per_print_times=max(1, steps // 4), rank0_only=True), TimeMonitor(rank0_only=True)]
     if args.ckpt_dir:
         callbacks.append(ModelCheckpoint(prefix=args.arch, directory=args.ckpt_dir,
                                          config=CheckpointConfig(save_checkpoint_steps=steps, keep_checkpoint_max=3)))

@@ -248,14 +248,42 @@ def loss_value(net_outputs):
     return None
 
 
-class LossMonitor(Callback):
-    """Prints ``epoch: E step: S, loss is L`` every ``per_print_times`` steps (S: step within
-    the epoch), and the evaluation metrics at an epoch's end when ``Model.fit`` computed them.
+def _print_line(line, rank0_only):
+    """Prints one line of a built-in callback, as the active runtime's world needs it.
 
-    In data-parallel training every rank prints its own (local) loss, unprefixed, as in
-    MindSpore; ``rank0_only=True`` keeps only rank 0's lines (the rank is the active
-    runtime's, asked at each print: see minidl/runtime.py). The
-    NaN/inf check runs on every rank either way.
+    The rank and world size are the runtime's now, not when the callback was built: the
+    same callback may be made before the parallel context is set up. With ``rank0_only``
+    rank 0 alone prints, unprefixed. Otherwise, with several ranks, every rank prints and
+    says which it is (``[rank 1] ...``): under mpirun their lines interleave in one stream.
+    One rank prints MindSpore's line as it is.
+    """
+    runtime = get_runtime()
+    rank = runtime.rank()
+    if rank0_only:
+        if rank == 0:
+            print(line, flush=True)
+        return
+    if runtime.group_size() > 1:
+        line = f"[rank {rank}] {line}"
+    print(line, flush=True)
+
+
+def _check_rank0_only(who, rank0_only):
+    if not isinstance(rank0_only, bool):
+        raise TypeError(f"{who}: rank0_only must be True or False, got {rank0_only!r}")
+
+
+class LossMonitor(Callback):
+    """Prints ``epoch: E step: S, loss is L`` every ``per_print_times`` steps, and the
+    evaluation metrics at an epoch's end when ``Model.fit`` computed them.
+
+    S is the step within the epoch, as in MindSpore (the metrics log's ``step`` is the
+    global step; its ``step_in_epoch`` is this S). In data-parallel training every rank
+    prints its own (local) loss, as in MindSpore, each line prefixed with its rank
+    (``[rank 1] epoch: 1 step: 3, loss is 2.30``) when there are several ranks;
+    ``rank0_only=True`` keeps only rank 0's lines, unprefixed. The rank and world size are
+    the active runtime's, asked at each print (see minidl/runtime.py). The NaN/inf check
+    runs on every rank either way.
 
     Args:
         per_print_times: print every this many steps; 0 prints nothing.
@@ -272,8 +300,7 @@ class LossMonitor(Callback):
         super().__init__()
         if isinstance(per_print_times, bool) or not isinstance(per_print_times, int) or per_print_times < 0:
             raise ValueError(f"LossMonitor: per_print_times must be an int >= 0, got {per_print_times!r}")
-        if not isinstance(rank0_only, bool):
-            raise TypeError(f"LossMonitor: rank0_only must be True or False, got {rank0_only!r}")
+        _check_rank0_only("LossMonitor", rank0_only)
         self.rank0_only = rank0_only
         self._per_print_times = per_print_times
         self._last_print_time = 0
@@ -297,35 +324,38 @@ class LossMonitor(Callback):
                              f"Invalid loss {str(loss)}, terminating training.{hint}")
         if self._per_print_times and cb_params.cur_step_num - self._last_print_time >= self._per_print_times:
             self._last_print_time = cb_params.cur_step_num
-            if self._prints():
-                print(f"epoch: {cb_params.cur_epoch_num} step: {cur_step_in_epoch}, loss is {str(loss)}", flush=True)
+            _print_line(f"epoch: {cb_params.cur_epoch_num} step: {cur_step_in_epoch}, loss is {str(loss)}",
+                        self.rank0_only)
 
     def on_train_epoch_end(self, run_context):
         cb_params = run_context.original_args()
         metrics = cb_params.get("metrics")
-        if metrics and self._prints():
-            print(f"Eval result: epoch {cb_params.cur_epoch_num}, metrics: {metrics}", flush=True)
-
-
-    def _prints(self):
-        return not self.rank0_only or get_runtime().rank() == 0
+        if metrics:
+            _print_line(f"Eval result: epoch {cb_params.cur_epoch_num}, metrics: {metrics}", self.rank0_only)
 
 
 class TimeMonitor(Callback):
     """Prints ``epoch time: T ms, per step time: t ms`` at the end of every epoch.
 
+    Under data parallelism every rank prints its own times, prefixed with its rank
+    (``[rank 1] epoch time: ...``) when there are several, as LossMonitor does;
+    ``rank0_only=True`` keeps only rank 0's line, unprefixed.
+
     Args:
         data_size: steps per epoch, used only when the loop does not tell (MindSpore's
             argument; the loop always tells here). The per-step time divides by the number
             of steps actually run in the epoch (fewer after a resume or a stop).
+        rank0_only: print only on rank 0 of the data-parallel world.
     """
 
-    def __init__(self, data_size=None):
+    def __init__(self, data_size=None, rank0_only=False):
         super().__init__()
         if data_size is not None and (isinstance(data_size, bool) or not isinstance(data_size, int)
                                       or data_size < 1):
             raise ValueError(f"TimeMonitor: data_size must be None or an int >= 1, got {data_size!r}")
+        _check_rank0_only("TimeMonitor", rank0_only)
         self.data_size = data_size
+        self.rank0_only = rank0_only
         self.epoch_time = time.perf_counter()
         self._first_step = 0
 
@@ -339,4 +369,4 @@ class TimeMonitor(Callback):
         steps = cb_params.cur_step_num - self._first_step
         if steps <= 0:
             steps = self.data_size or cb_params.get("batch_num") or 1
-        print(f"epoch time: {epoch_ms:5.3f} ms, per step time: {epoch_ms / steps:5.3f} ms", flush=True)
+        _print_line(f"epoch time: {epoch_ms:5.3f} ms, per step time: {epoch_ms / steps:5.3f} ms", self.rank0_only)

@@ -7,13 +7,15 @@ The metrics log (``Model.train(..., log_file=path)``) holds one JSON object per 
 written and flushed as training goes, so it can be followed (``tail -f``) and plotted
 (``python -m minidl.plot path -o curve.png``) while training runs:
 
-    {"epoch": 1, "step": 1, "loss": 2.3025854, "time": 1718000000.123}
+    {"epoch": 1, "step": 1, "step_in_epoch": 1, "loss": 2.3025854, "time": 1718000000.123}
     ...
-    {"epoch": 1, "step": 32, "time": 1718000003.456, "epoch_time": 3.2, "eval": {"accuracy": 0.61}}
+    {"epoch": 1, "step": 32, "step_in_epoch": 32, "time": 1718000003.456, "epoch_time": 3.2, "eval": {"accuracy": 0.61}}
 
-Step records have ``epoch`` (1-based), ``step`` (global, 1-based), ``loss`` and ``time``
-(Unix seconds); the record closing an epoch has ``epoch_time`` (seconds) instead of
-``loss``, and ``eval`` when the epoch was evaluated (``Model.fit``).
+Step records have ``epoch`` (1-based), ``step`` (the global step, 1-based, counted across
+epochs: what ``python -m minidl.plot`` draws against), ``step_in_epoch`` (1-based, counted
+within the epoch: the ``step: S`` that LossMonitor prints, as MindSpore's does), ``loss``
+and ``time`` (Unix seconds); the record closing an epoch has ``epoch_time`` (seconds)
+instead of ``loss``, and ``eval`` when the epoch was evaluated (``Model.fit``).
 
 A log file has exactly one writer. Under data parallelism (``mpirun -n 8``, or the threads
 world of tests) only rank 0 writes it, with rank 0's losses; a path holding ``{rank}``
@@ -72,6 +74,15 @@ def _jsonable(v):
         return float(v)
     except (TypeError, ValueError):
         return numpy.asarray(v).tolist()  # per-class metrics are arrays
+
+
+def _step_in_epoch(cb):
+    """The step within the epoch, as LossMonitor numbers it (0 at the end of an epoch that ran
+    none, e.g. a rank with an empty shard under uneven_inputs)."""
+    step = cb.get("cur_step_in_epoch")
+    if step is None and cb.get("batch_num"):  # a loop other than Model's: derived as LossMonitor does
+        step = (cb.cur_step_num - 1) % cb.batch_num + 1
+    return step
 
 
 class ProgressBar(Callback):
@@ -199,12 +210,13 @@ class MetricsLogger(Callback):
             return  # reading the loss would wait for the device for nothing
         cb = run_context.original_args()
         loss = loss_value(cb.net_outputs)
-        self._write({"epoch": cb.cur_epoch_num, "step": cb.cur_step_num,
+        self._write({"epoch": cb.cur_epoch_num, "step": cb.cur_step_num, "step_in_epoch": _step_in_epoch(cb),
                      "loss": None if loss is None else _json_float(loss), "time": time.time()})
 
     def on_train_epoch_end(self, run_context):
         cb = run_context.original_args()
-        record = {"epoch": cb.cur_epoch_num, "step": cb.cur_step_num, "time": time.time(),
+        record = {"epoch": cb.cur_epoch_num, "step": cb.cur_step_num, "step_in_epoch": _step_in_epoch(cb),
+                  "time": time.time(),
                   "epoch_time": time.perf_counter() - (self._epoch_start or time.perf_counter())}
         metrics = cb.get("metrics")
         if metrics:

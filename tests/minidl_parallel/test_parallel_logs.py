@@ -1,16 +1,18 @@
-"""Data-parallel training on thread-ranks writes one metrics log: rank 0's, valid JSON lines, one set."""
+"""Data-parallel training on thread-ranks writes one metrics log: rank 0's, valid JSON lines, one set;
+LossMonitor and TimeMonitor say which rank printed each line, or print on rank 0 alone."""
 import json
+import re
 
 import numpy as np
 
 from minidl import nn
 from minidl.dataset import NumpySlicesDataset
 from minidl.plot import read_log
-from minidl.train import Model
+from minidl.train import LossMonitor, Model, TimeMonitor
 from minidl_parallel import ParallelMode, get_group_size, get_rank, run_threads, set_auto_parallel_context
 
 
-def _fit(log_file):
+def _fit(log_file, callbacks=None):
     set_auto_parallel_context(parallel_mode=ParallelMode.DATA_PARALLEL, gradients_mean=True,
                               parameter_broadcast=True)
     rng = np.random.default_rng(0)
@@ -22,7 +24,7 @@ def _fit(log_file):
     net = nn.SequentialCell(nn.Dense(3, 4), nn.ReLU(), nn.Dense(4, 2))
     model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
                   nn.Momentum(net.trainable_params(), 0.05, 0.9), metrics={"accuracy", "loss"})
-    model.fit(2, train, valid, log_file=log_file)
+    model.fit(2, train, valid, log_file=log_file, callbacks=callbacks)
     return model.eval(valid)
 
 
@@ -50,3 +52,23 @@ def test_a_rank_placeholder_gives_one_log_per_rank(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.0.jsonl", "train.1.jsonl"]
     for r in range(2):
         assert len(_records(tmp_path / f"train.{r}.jsonl")) == 8
+
+
+def test_monitors_on_two_thread_ranks_prefix_each_line_with_its_rank(capsys):
+    run_threads(2, lambda: _fit(None, [LossMonitor(), TimeMonitor()]))
+    lines = capsys.readouterr().out.splitlines()
+    # 2 epochs x (3 steps, the evaluation, the epoch time), on each rank
+    for r in range(2):
+        mine = [line for line in lines if line.startswith(f"[rank {r}] ")]
+        assert [re.sub(r"[0-9.]+ ms|loss is \S+|metrics: .*", "_", line) for line in mine] == [
+            f"[rank {r}] {what}" for e in (1, 2)
+            for what in (f"epoch: {e} step: 1, _", f"epoch: {e} step: 2, _", f"epoch: {e} step: 3, _",
+                         f"Eval result: epoch {e}, _", "epoch time: _, per step time: _")]
+    assert len(lines) == 20
+
+
+def test_rank0_only_monitors_print_once_for_the_two_thread_ranks(capsys):
+    run_threads(2, lambda: _fit(None, [LossMonitor(rank0_only=True), TimeMonitor(rank0_only=True)]))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 10 and not any("rank" in line for line in lines), lines
+    assert [line.split(",")[0] for line in lines[:3]] == ["epoch: 1 step: 1", "epoch: 1 step: 2", "epoch: 1 step: 3"]

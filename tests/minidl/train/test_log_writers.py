@@ -1,15 +1,17 @@
 """One writer per log: rank 0 writes the metrics log (or each rank its own with "{rank}"), and
-draws the progress bar; the rank is the runtime's when the file opens, not at construction."""
+draws the progress bar; the rank is the runtime's when the file opens, not at construction.
+The log's two step numbers: the global ``step`` and LossMonitor's ``step_in_epoch``."""
 import io
 import json
+import re
 
 import pytest
 
 from minidl.runtime import Runtime
-from minidl.train import Model, ProgressBar
+from minidl.train import CheckpointConfig, LossMonitor, Model, ModelCheckpoint, ProgressBar, latest_checkpoint
 from minidl.train.progress import MetricsLogger
 
-from .helpers import blobs, ce_loss, mlp, momentum, slices
+from .helpers import StopAt, blobs, ce_loss, mlp, momentum, slices
 
 
 class Rank(Runtime):
@@ -79,3 +81,25 @@ def test_progress_bar_only_on_rank_0():
         with Rank(r):
             _train(None, callbacks=ProgressBar(file=buf, refresh_seconds=0))
         assert ("epoch 1/2" in buf.getvalue()) is drawn
+
+
+def test_log_records_the_global_step_and_loss_monitors_step_in_epoch_also_when_resumed(tmp_path, capsys):
+    log = tmp_path / "train.jsonl"
+    x, y = blobs(n=12)
+    ds = slices((x, y), ["x", "y"], 4)  # 3 steps per epoch
+    net = mlp()
+    ckpt = ModelCheckpoint("m", str(tmp_path), CheckpointConfig(save_checkpoint_steps=100))
+    Model(net, ce_loss(), momentum(net)).train(2, ds, callbacks=[LossMonitor(), ckpt, StopAt(4)], log_file=str(log))
+    net = mlp()  # stopped at epoch 2 step 1; resumed from its checkpoint
+    Model(net, ce_loss(), momentum(net)).train(2, ds, callbacks=LossMonitor(), log_file=str(log),
+                                               resume_from=latest_checkpoint(str(tmp_path), "m"))
+    recs = _records(log)
+    steps = [r for r in recs if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]  # across epochs (python -m minidl.plot's x axis)
+    # within the epoch: the step LossMonitor printed for the same loss
+    printed = re.findall(r"epoch: (\d+) step: (\d+), loss is (\S+)", capsys.readouterr().out)
+    assert [(str(r["epoch"]), str(r["step_in_epoch"]), str(r["loss"])) for r in steps] == printed
+    assert [r["step_in_epoch"] for r in steps] == [1, 2, 3, 1, 2, 3]
+    # the records closing an epoch: the steps run in it so far (epoch 2 was stopped after 1, then finished)
+    assert [(r["epoch"], r["step"], r["step_in_epoch"]) for r in recs if "epoch_time" in r] == \
+        [(1, 3, 3), (2, 4, 1), (2, 6, 3)]

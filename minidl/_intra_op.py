@@ -193,6 +193,9 @@ class _Pool:
                 done.put((i, fn(i), None))
             except BaseException as e:  # handed to the caller, which re-raises it
                 done.put((i, None, e))
+            # This frame waits for the next task, maybe for long: the finished one's closure holds
+            # its op's arrays (activations, gradients), which must not outlive the step.
+            del task, fn, done
 
     def close(self):
         for _ in self.threads:

@@ -2,9 +2,11 @@
 serially without it), sizes from the machine's caches, and ops that give the same results
 (against their references) on 1 thread and on several."""
 import ctypes.util
+import gc
 import multiprocessing
 import os
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -76,6 +78,19 @@ def test_parallel_map_waits_for_every_call_before_raising(threads):
         intra_op.parallel_map(work, 2)
     assert finished == [1]  # the worker's call had finished: its buffers are no longer in use
     assert intra_op.parallel_map(lambda i: i * 10, 2) == [0, 10]  # the pool still works
+
+
+@needs_local_blas
+def test_the_pool_keeps_nothing_of_a_finished_call(threads):
+    """A worker waiting for its next task holds nothing of the last: that task's closure held an
+    op's arrays (activations), which must go with the step (tests/minidl/kernels/test_step_memory.py)."""
+    threads(2)
+    array = np.ones(1000)
+    alive = weakref.ref(array)
+    assert intra_op.parallel_map(lambda i, a=array: float(a[i]), 2) == [1.0, 1.0]  # (a default: ``del`` empties a cell)
+    del array
+    gc.collect()
+    assert alive() is None
 
 
 def test_set_num_threads_rejects_bad_values():

@@ -3,6 +3,7 @@
     sgd = DistOpt(nn.Momentum(net.trainable_params(), 0.005, 0.9, weight_decay=1e-5))
     out = net(x); loss = loss_fn(out, y)
     sgd.backward_and_update(loss)                 # averaged fp32 gradients, fused buckets
+    sgd(loss)                                     # SINGA's shorthand for backward_and_update(loss)
     sgd.backward_and_update_half(loss)            # the same in fp16 on the wire
     sgd.backward_and_partial_update(loss)         # local update, then one chunk of parameters averaged
     sgd.backward_and_sparse_update(loss, topK=True, spars=0.01, corr=True)
@@ -97,6 +98,11 @@ class DistOpt:
 
     # ---- SINGA's four update modes ------------------------------------------------------
 
+    def __call__(self, loss):
+        # SINGA's DistOpt.__call__ is backward_and_update(loss) with the default threshold:
+        # its examples/cnn trains with ``self.optimizer(loss)`` for plain fp32.
+        self.backward_and_update(loss)
+
     def backward_and_update(self, loss, threshold=_DEFAULT_THRESHOLD):
         self.opt(self._reducer(threshold, Compression.none)(self._backward(loss)))
 
@@ -126,7 +132,7 @@ class DistOpt:
         flat = xp.concatenate([xp.ravel(p.data) for p in params])
         comm = self.communicator
         record("allreduce", comm.size, comm_bytes("allreduce", flat.nbytes, comm.size), phase="gradients")
-        flat = comm.allreduce(flat, "mean")
+        flat = comm.allreduce(flat, "max")
         off = 0
         for p in params:
             p.data[...] = flat[off:off + p.data.size].reshape(p.data.shape)

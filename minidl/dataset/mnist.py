@@ -108,7 +108,8 @@ def load_mnist(dataset_dir, usage="train"):
         dataset_dir: the folder holding ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
             ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte`` (each may end in ``.gz``).
         usage: "train", "test" or "all" (test, then train, as MindSpore orders them); None
-            means "all".
+            means "all". "train" and "test" need their two files; "all" reads whichever of
+            the two pairs the folder holds (at least one).
 
     Returns:
         (images, labels): uint8 of shape (N, 28, 28, 1) (HWC, as MindSpore) and int32 of shape (N,).
@@ -125,7 +126,17 @@ def load_mnist(dataset_dir, usage="train"):
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"MnistDataset: dataset_dir {folder!r} does not exist or is not a directory; "
                                 f"expected the folder holding the MNIST IDX files")
-    parts = [_load_split(folder, split) for split in _USAGE_SPLITS[usage]]
+    splits = _USAGE_SPLITS[usage]
+    if usage == "all":
+        # MindSpore's "all" reads whichever pairs are present: its tutorials call
+        # MnistDataset("MNIST_Data/train") on a folder holding only the train files. A pair
+        # with one of its two files present still fails in _load_split, naming the other.
+        splits = tuple(split for split in splits if any(_find(folder, name) for name in _FILES[split]))
+        if not splits:
+            expected = ", ".join(_FILES["train"] + _FILES["test"])
+            raise FileNotFoundError(f"MnistDataset: no MNIST files in {folder}; expected the train pair, the test "
+                                    f"pair or both: {expected}, each optionally gzipped")
+    parts = [_load_split(folder, split) for split in splits]
     images = numpy.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
     labels = numpy.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
     # A fresh, writable copy with the channel axis that HWC transforms expect.
@@ -136,9 +147,12 @@ class MnistDataset(NumpySlicesDataset):
     """MNIST from its IDX files, with columns ``image`` (uint8, 28x28x1 HWC) and ``label`` (int32).
 
     Args:
-        dataset_dir: the folder holding the four IDX files (each may be gzipped).
+        dataset_dir: the folder holding the IDX files (each may be gzipped): the train pair,
+            the test (t10k) pair, or both.
         usage: "train" (60000 images), "test" (10000) or "all" (70000: test, then train, in
-            MindSpore's order); the default, None, means "all", as in MindSpore.
+            MindSpore's order); the default, None, means "all", as in MindSpore. "all" reads
+            whichever pairs are present, so ``MnistDataset("MNIST_Data/train")`` on a folder
+            with only the train files reads those; "train" and "test" need their files.
         num_samples: at most this many rows per shard and epoch (default: all).
         num_parallel_workers: accepted for MindSpore compatibility and ignored (files are read
             once, up front).

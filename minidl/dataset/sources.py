@@ -94,6 +94,8 @@ class NumpySlicesDataset(SourceDataset):
         data: a dict {name: array}, a tuple of arrays (one column each), a list (one column,
             as in MindSpore, unless column_names names several: then one column per
             element), or one array. Arrays stay as given (a ``numpy.memmap`` is read lazily).
+            A list of arrays of different shapes raises: for columns ``x`` and ``y`` pass the
+            tuple ``(x, y)``, not ``[x, y]``.
         column_names: the names (default: the dict's keys, else "column_0", "column_1", ...);
             for a dict, the keys in the order wanted.
         num_samples: at most this many rows per shard and epoch.
@@ -131,6 +133,8 @@ class NumpySlicesDataset(SourceDataset):
                 columns = list(data)
             else:
                 columns = [data]
+                if isinstance(data, list):
+                    self._check_list_column(data, who)
             names = _column_names(column_names, len(columns), who)
         self._columns = [self._as_column(c, name, who) for c, name in zip(columns, names)]
         lengths = {name: len(c) for name, c in zip(names, self._columns)}
@@ -141,6 +145,19 @@ class NumpySlicesDataset(SourceDataset):
             raise ValueError(f"{who}: data has no columns")
         self._setup(who, names, True if shuffle is None else shuffle, num_shards, shard_id, num_samples,
                     shard_mode, seed)
+
+    @staticmethod
+    def _check_list_column(data, who):
+        """A list is one column whose elements are its rows; arrays of different shapes in it are
+        almost always columns meant as a tuple ``[x, y]``, which NumPy would only call
+        inhomogeneous (MindSpore yields them as rows of different shapes)."""
+        shapes = list(dict.fromkeys(tuple(e.shape) for e in data if hasattr(e, "shape")))
+        if len(shapes) > 1:
+            shown = ", ".join(map(str, shapes[:3])) + (", ..." if len(shapes) > 3 else "")
+            raise ValueError(f"{who}: data is a list holding arrays of different shapes ({shown}); a list is one "
+                             f"column whose elements are its rows (as in MindSpore), so they must have one shape. For "
+                             f"one column per array pass a tuple, NumpySlicesDataset((x, y), column_names=['data', "
+                             f"'label']), or a dict {{'data': x, 'label': y}}")
 
     @staticmethod
     def _as_column(c, name, who):

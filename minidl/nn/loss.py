@@ -56,7 +56,9 @@ class SoftmaxCrossEntropyWithLogits(LossBase):
     """Cross entropy between softmax(logits) and labels, per sample, then reduced.
 
     Args:
-        sparse: labels are class indices of shape (N,) instead of (N, C) probabilities.
+        sparse: labels are integer class indices of shape (N,) instead of (N, C) one-hot
+            labels or probabilities (float labels of the logits' shape with sparse=True raise,
+            suggesting sparse=False).
         reduction: 'none' (MindSpore's default here), 'mean' or 'sum'.
 
     Example:
@@ -73,6 +75,15 @@ class SoftmaxCrossEntropyWithLogits(LossBase):
     def construct(self, logits, labels):
         if logits.ndim != 2:
             raise ValueError(f"SoftmaxCrossEntropyWithLogits: logits must be (N, C), got shape {tuple(logits.shape)}")
+        if self.sparse and getattr(getattr(labels, "dtype", None), "kind", None) == "f" \
+                and tuple(getattr(labels, "shape", ())) == tuple(logits.shape):
+            # One-hot labels meeting sparse=True: the primitive's dtype error alone does not say
+            # that the fix is the flag.
+            raise TypeError(f"SoftmaxCrossEntropyWithLogits(sparse=True): labels of dtype {labels.dtype} have the "
+                            f"logits' shape {tuple(logits.shape)}, as one-hot labels (or class probabilities) do, but "
+                            f"sparse=True expects integer class indices of shape ({logits.shape[0]},); pass "
+                            f"sparse=False for one-hot or probability labels, or integer class indices (e.g. "
+                            f"labels.argmax(axis=1))")
         return self.get_loss(self.ce(logits, labels))
 
     def extend_repr(self):

@@ -157,8 +157,12 @@ def _check_index_labels(op, labels, batch_shape, n_classes, logits_shape, ignore
     shape = tuple(getattr(labels, "shape", ()))
     dtype = getattr(labels, "dtype", None)
     if dtype is None or getattr(dtype, "kind", None) not in ("i", "u"):  # (numpy.issubdtype(dtype, integer), cheaper)
+        # float labels of the logits' shape: one-hot (or probabilities), which this op does not take
+        onehot = (f"; labels of the logits' shape look one-hot (or class probabilities): pass integer class "
+                  f"indices of shape {tuple(batch_shape)} (e.g. labels.argmax(axis=1))"
+                  if getattr(dtype, "kind", None) == "f" and shape == tuple(logits_shape) else "")
         raise TypeError(f"{op}: labels must be integer class indices, got "
-                        f"{'dtype ' + str(dtype) if dtype is not None else type(labels).__name__}")
+                        f"{'dtype ' + str(dtype) if dtype is not None else type(labels).__name__}{onehot}")
     if shape != tuple(batch_shape):
         raise ValueError(f"{op}: labels of shape {shape} do not match logits of shape {tuple(logits_shape)}: "
                          f"expected labels of shape {tuple(batch_shape)}")

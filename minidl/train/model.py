@@ -46,6 +46,7 @@ Example:
     >>> model.eval(test_ds)
     {'accuracy': 0.91}
 """
+import inspect
 import numbers
 import warnings
 
@@ -74,6 +75,33 @@ def _describe(out):
     if isinstance(out, (tuple, list)):
         return f"a {type(out).__name__} of {len(out)} values"
     return f"a {type(out).__name__}"
+
+
+def _missing_loss_fn(network, columns, why):
+    """The error for Model(net, None, opt) whose network cannot take the dataset's columns: most
+    often a loss_fn left out (Python alone says only 'construct() takes 2 positional arguments
+    but 3 were given')."""
+    name = type(network).__name__
+    return TypeError(f"Model.train: loss_fn is None, so the network must take every column of the dataset "
+                     f"({columns}) and return the loss itself, but {why}; pass loss_fn (e.g. Model(net, "
+                     f"nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction='mean'), optimizer)), or a network "
+                     f"whose construct(data, label) returns the loss (as MindSpore's nn.WithLossCell(net, loss_fn) "
+                     f"does) instead of {name}")
+
+
+def _check_network_takes(network, cols):
+    """Raises _missing_loss_fn when the network's construct cannot be called with len(cols)
+    positional arguments; a signature that cannot be read is left to the call."""
+    construct = getattr(network, "construct", None)
+    try:
+        signature = inspect.signature(construct)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*cols)
+    except TypeError as exc:
+        raise _missing_loss_fn(network, f"{len(cols)}: {cols}", f"{type(network).__name__}.construct{signature} "
+                                                                f"cannot take them ({exc})") from None
 
 
 def _as_tensor(x):
@@ -198,7 +226,15 @@ class Model:
 
         if loss_fn is None:
             def forward(*columns):
-                out = net(*columns)
+                try:
+                    out = net(*columns)
+                except TypeError as exc:
+                    # A construct(*inputs) passes the check in _run and fails inside instead, when
+                    # it hands data and label on to a layer that takes one input.
+                    if "positional argument" not in str(exc):
+                        raise
+                    raise _missing_loss_fn(net, f"{len(columns)} of them", f"calling it with them raised "
+                                                                             f"TypeError: {exc}") from exc
                 loss = out[0] if isinstance(out, (tuple, list)) and out else out
                 scalar(loss, "since loss_fn is None, the network",
                        "pass loss_fn= (e.g. nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction='mean'))")
@@ -335,6 +371,8 @@ class Model:
         # rank (raising here, on its rank alone, would leave the others waiting for it).
         several = get_runtime().group_size() > 1
         batch_num, _ = self._check_dataset("train", "train_dataset", dataset, for_training=True, allow_empty=several)
+        if self._loss_fn is None:
+            _check_network_takes(self._network, list(dataset.get_col_names()))
         cbs = CallbackList(callbacks, "Model.train")
         extra = []
         if log_file is not None:

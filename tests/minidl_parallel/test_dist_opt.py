@@ -30,7 +30,9 @@ def _params(net):
     return {k: v.asnumpy().copy() for k, v in net.parameters_and_names()}
 
 
-def test_backward_and_update_equals_one_device_on_the_global_batch():
+@pytest.mark.parametrize("how", ["backward_and_update", "call"])
+def test_backward_and_update_equals_one_device_on_the_global_batch(how):
+    # "call": SINGA's examples/cnn trains with optimizer(loss), its DistOpt's backward_and_update(loss)
     n, b, steps = 2, 2, 3
     x, y = _data(n * b * steps)
     ref = _mlp(0)
@@ -47,7 +49,8 @@ def test_backward_and_update_equals_one_device_on_the_global_batch():
         assert (sgd.world_size, sgd.local_rank) == (n, r)
         for s in range(steps):
             rows = slice(s * n * b + r * b, s * n * b + (r + 1) * b)
-            sgd.backward_and_update(LOSS(net(Tensor(x[rows])), Tensor(y[rows])))
+            loss = LOSS(net(Tensor(x[rows])), Tensor(y[rows]))
+            assert (sgd(loss) if how == "call" else sgd.backward_and_update(loss)) is None
         return _params(net)
 
     for got in run_threads(n, rank):

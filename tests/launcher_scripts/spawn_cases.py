@@ -7,6 +7,8 @@ values: 2 workers run allreduce_rank, defined in this script (so in the workers'
 raise, exit3, kill9: rank 1 of 2 raises ValueError, calls sys.exit(3) or kills itself with
         SIGKILL while rank 0 waits for it in an all-reduce.
 startfail: values with start_timeout=3, for a test whose workers end before MPI_Init.
+path: 2 workers return their PATH; the value is {"workers": [their PATHs], "before": this
+        process's PATH before the spawn, "after": after it}.
 """
 import json
 import os
@@ -43,11 +45,18 @@ def fail_on_rank_1(rank, how):
     return "the all-reduce returned, which it must not"
 
 
+def worker_path(rank):
+    return os.environ.get("PATH")
+
+
 def run_case(name):
     start = time.monotonic()
     try:
         if name == "values":
             value = spawn(allreduce_rank, nprocs=2, args=(100,))
+        elif name == "path":
+            before = os.environ.get("PATH")
+            value = {"workers": spawn(worker_path, 2), "before": before, "after": os.environ.get("PATH")}
         elif name == "startfail":
             value = spawn(allreduce_rank, 2, args=(0,), start_timeout=3)
         else:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from minidl_parallel import run
-from minidl_parallel.spawning import _pickle_call, spawn
+from minidl_parallel import run, spawning
+from minidl_parallel.spawning import SpawnError, _pickle_call, _runtime_path, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "launcher_scripts"
@@ -36,6 +36,18 @@ def _env(root_variables, **extra):
     if root_variables:
         env.update({name: "1" for name in ROOT_VARIABLES})
     env.update(extra)
+    return env
+
+
+def _env_without_prte():
+    """_env with the root variables, and PATH without any directory that holds a ``prte`` (the
+    interpreter's own bin/ among them): a venv's Python called by path, its bin/ not on PATH
+    (an IDE, cron, a service). The interpreter is then started by its full path."""
+    env = _env(root_variables=True)
+    env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep)
+                                  if d and not os.access(os.path.join(d, "prte"), os.X_OK)
+                                  and Path(d).resolve() != Path(sys.executable).parent.resolve())
+    assert shutil.which("prte", path=env["PATH"]) is None
     return env
 
 
@@ -90,6 +102,19 @@ def test_the_same_script_runs_under_mpirun():
     assert _lines(proc.stdout, "rank ") == [
         f"rank {r} of 2: backend mpi, launched_under_mpi True, local {r}/2, sum 3, argv ['--epochs', '3']"
         for r in range(2)]
+
+
+@pytest.mark.cpu_only
+def test_run_finds_open_mpis_runtime_when_the_interpreters_bin_is_not_on_path(tmp_path):
+    """Issue 29: MPI_Comm_spawn looks Open MPI's `prte` up on PATH only, and failed with
+    "OPAL ERROR: Error in file .../dpm.c" and MPI_ERR_UNKNOWN without the venv's bin/ there."""
+    cmd = [sys.executable, "-m", "minidl_parallel.run", "-n", "2", str(SCRIPTS / "train.py"), "--epochs", "1"]
+    proc = _timed(cmd, tmp_path, _env_without_prte(), 90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OPAL ERROR" not in proc.stderr
+    for rank in range(2):
+        assert (tmp_path / "log_output" / f"rank.{rank}" / "stdout").read_text().splitlines() == [
+            f"rank {rank} of 2: backend mpi, launched_under_mpi True, local {rank}/2, sum 3, argv ['--epochs', '1']"]
 
 
 FAULTS = {  # mode: (workers, exit status, what the launcher must say)
@@ -228,6 +253,54 @@ def test_spawn_of_workers_that_die_before_mpi_init_ends_within_start_timeout(tmp
     assert kind2 == "SpawnError"  # refused at once, not another wait
     assert "an earlier MPI_Comm_spawn in this process never returned" in json.loads(details2)["message"]
     assert "ending this process without MPI_Finalize" in proc.stderr
+
+
+@pytest.mark.cpu_only
+def test_spawn_finds_open_mpis_runtime_for_the_call_only_when_the_interpreters_bin_is_not_on_path():
+    env = _env_without_prte()
+    proc = _timed([sys.executable, str(SCRIPTS / "spawn_cases.py"), "path", "path"], ROOT, env, 90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [line.split(" ", 2) for line in proc.stdout.splitlines() if line.startswith("path:")]
+    assert [kind for _, kind, _ in results] == ["ok", "ok"], proc.stdout + proc.stderr
+    for _, _, details in results:  # the first spawn starts Open MPI's runtime, the second reuses it
+        value = json.loads(details)["value"]
+        # The parent's PATH is as it was; the workers' (the runtime's) has the bin/ with prte in front.
+        assert value["before"] == value["after"] == env["PATH"]
+        for path in value["workers"]:
+            first, rest = path.split(os.pathsep, 1)
+            assert rest == env["PATH"] and os.access(os.path.join(first, "prte"), os.X_OK)
+
+
+class _OpenMPI5:
+    @staticmethod
+    def get_vendor():
+        return "Open MPI", (5, 0, 11)
+
+
+def test_spawn_puts_the_loaded_open_mpis_prte_first_on_path_or_refuses_without_one(tmp_path, monkeypatch):
+    prefix = tmp_path / "openmpi"
+    (prefix / "bin").mkdir(parents=True)
+    prte = prefix / "bin" / "prte"
+    prte.write_text("#!/bin/sh\n")
+    prte.chmod(0o755)
+    monkeypatch.setattr(spawning, "_loaded_libmpi", lambda: str(prefix / "lib" / "libmpi.so.40"))
+    other = tmp_path / "other"  # another Open MPI's prte, first on PATH
+    other.mkdir()
+    (other / "prte").write_text("#!/bin/sh\n")
+    (other / "prte").chmod(0o755)
+    for path, expected in [("/usr/bin:/bin", f"{prefix / 'bin'}:/usr/bin:/bin"),
+                           (f"{other}:/bin", f"{prefix / 'bin'}:{other}:/bin"),
+                           (f"{prefix / 'bin'}:/bin", None)]:  # PATH's prte is the loaded one: unchanged
+        monkeypatch.setenv("PATH", path)
+        assert _runtime_path(_OpenMPI5, "spawn") == expected
+        assert os.environ["PATH"] == path  # only computed: set for the spawn call alone
+    prte.unlink()  # no prte beside the library, and none on PATH: refused before anything starts
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SpawnError, match=(r"spawn: MPI_Comm_spawn needs Open MPI's runtime program `prte`, which is "
+                                          r"not on PATH, nor in .*/openmpi/bin \(beside the libmpi this process "
+                                          r"loaded, .*/openmpi/lib/libmpi.so.40\); put the bin/ directory of the "
+                                          r"Open MPI installation that mpi4py uses on PATH")):
+        _runtime_path(_OpenMPI5, "spawn")
 
 
 def test_spawn_checks_its_arguments_before_starting_anything(monkeypatch):

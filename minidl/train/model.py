@@ -85,8 +85,8 @@ def _missing_loss_fn(network, columns, why):
     return TypeError(f"Model.train: loss_fn is None, so the network must take every column of the dataset "
                      f"({columns}) and return the loss itself, but {why}; pass loss_fn (e.g. Model(net, "
                      f"nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction='mean'), optimizer)), or a network "
-                     f"whose construct(data, label) returns the loss (as MindSpore's nn.WithLossCell(net, loss_fn) "
-                     f"does) instead of {name}")
+                     f"whose construct(data, label) returns the loss (nn.WithLossCell(net, loss_fn), as in MindSpore) "
+                     f"instead of {name}")
 
 
 def _check_network_takes(network, cols):

@@ -132,7 +132,7 @@ class DistOpt:
         flat = xp.concatenate([xp.ravel(p.data) for p in params])
         comm = self.communicator
         record("allreduce", comm.size, comm_bytes("allreduce", flat.nbytes, comm.size), phase="gradients")
-        flat = comm.allreduce(flat, "max")
+        flat = comm.allreduce(flat, "mean")
         off = 0
         for p in params:
             p.data[...] = flat[off:off + p.data.size].reshape(p.data.shape)

@@ -367,6 +367,63 @@ def test_grad_mode_changed_in_the_window_runs_eagerly():
     assert_same(*both(forward))
 
 
+def test_a_batchnorm_under_no_grad_then_a_relu_outside_it_equals_eager():
+    """The BatchNorm's output records no graph; the ReLU after the no_grad block must not give it
+    one (output, requires_grad and every gradient as eager's)."""
+    def forward():
+        bn = nn.BatchNorm2d(3)
+        bn.set_train(True)
+        w = minidl.Parameter(np.linspace(0.5, 1.5, 3, dtype=np.float32).reshape(1, 3, 1, 1), name="w")
+
+        class Net(nn.Cell):
+            def construct(self, x):
+                with minidl.no_grad():
+                    y = bn(x * 1.0)
+                return ops.relu(y), ops.relu(x * w)
+
+        net = Net()
+        x = image()
+        frozen, live = net(x)
+        params = [bn.gamma, bn.beta, w]
+        grad_fn = minidl.value_and_grad(lambda a: (ops.relu(a) * net(a)[0]).sum() + net(a)[1].sum(), None, params)
+        loss, grads = grad_fn(x)
+        return ([frozen.asnumpy(), live.asnumpy(), loss.asnumpy()], [frozen.requires_grad, live.requires_grad],
+                [np.zeros(p.shape, np.float32) if g is None else g.asnumpy() for p, g in zip(params, grads)],
+                state(bn))
+    with kernels.reference_only():
+        eager, graph = both(forward)
+    assert eager[1] == [False, True]
+    assert not eager[2][0].any() and not eager[2][1].any() and eager[2][2].any()  # only w is reached
+    assert_same(eager, graph)
+
+
+@pytest.mark.parametrize("shape", [(4, 5, 6, 3), (4, 3, 5, 3)], ids=["channels_last", "three_either_way"])
+def test_an_nhwc_batchnorm_and_relu_equal_eager(shape):
+    """The fused op is NCHW only: an NHWC BatchNorm (the op's data_format) and its ReLU, with and
+    without a residual, give eager's values, gradients and moving statistics."""
+    def forward():
+        c = shape[-1]
+        gamma = minidl.Parameter(np.linspace(0.5, 2.0, c, dtype=np.float32), name="gamma")
+        beta = minidl.Parameter(np.linspace(-1.0, 1.0, c, dtype=np.float32), name="beta")
+        mean = minidl.Parameter(np.zeros(c, np.float32), name="mean", requires_grad=False)
+        var = minidl.Parameter(np.ones(c, np.float32), name="var", requires_grad=False)
+        bn = ops.BatchNorm(is_training=True, momentum=0.1, data_format="NHWC")
+
+        class Net(nn.Cell):
+            def construct(self, x, r):
+                return ops.relu(bn(x, gamma, beta, mean, var)) + ops.relu(bn(x * 2.0, gamma, beta, mean, var) + r)
+
+        net = Net()
+        grad_fn = minidl.value_and_grad(lambda x, r: net(x, r).sum(), None, [gamma, beta])
+        x, r = image(shape), image(shape, seed=1)
+        outs = [net(x, r).asnumpy()]
+        loss, grads = grad_fn(x, r)
+        return outs + [loss.asnumpy()], [g.asnumpy() for g in grads], [mean.asnumpy(), var.asnumpy()]
+    with kernels.reference_only():
+        eager, graph = both(forward)
+    assert_same(eager, graph)
+
+
 def test_a_non_relu_use_and_a_broadcast_residual_do_not_fuse():
     def forward():
         bn = nn.BatchNorm2d(3)

@@ -61,6 +61,40 @@ def test_k_accumulated_passes_equal_one_device_on_the_k_times_larger_batch(n, k,
             np.testing.assert_allclose(got[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
+def test_accumulation_leaves_the_callers_gradients_unchanged():
+    """The reducer sums into its own buffer: the arrays a caller passed (here still held, as a
+    caller logging them would) keep their values through later passes, and each reduction is
+    the mean over ranks of that step's k gradients."""
+    n, k, steps = 2, 3, 2
+    shapes = [(3,), (2, 2)]
+
+    def rank():
+        r = resolve_communicator("test", None).rank
+        params = [Parameter(np.zeros(s), name=f"p{i}") for i, s in enumerate(shapes)]
+        reducer = DistributedGradReducer(params, mean=True, backward_passes_per_step=k)
+        rng = np.random.default_rng(r)
+        passed, kept, reduced = [], [], []
+        for _ in range(steps * k):
+            grads = [rng.standard_normal(s) for s in shapes]
+            passed.append(grads)
+            kept.append([g.copy() for g in grads])
+            out = reducer([grads[0], Tensor(grads[1])])  # a raw array and a Tensor around one
+            if out is not None:
+                reduced.append([t.asnumpy().copy() for t in out])
+        for got, want in zip(passed, kept):
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)  # unchanged by the accumulation after it
+        return kept, reduced
+
+    results = run_threads(n, rank)
+    for s in range(steps):
+        for i in range(len(shapes)):
+            want = sum(kept[j][i] for kept, _ in results for j in range(s * k, (s + 1) * k)) / n
+            for _, reduced in results:
+                assert len(reduced) == steps
+                np.testing.assert_allclose(reduced[s][i], want, rtol=1e-12, atol=1e-14)
+
+
 def test_accumulation_settings_are_checked():
     p = [Parameter(np.zeros(2), name="w")]
     for bad in (0, -1, 1.5, True):

@@ -64,6 +64,23 @@ def test_every_flipped_data_bit_raises_naming_file_tensor_and_both_checksums(tmp
             load_checkpoint(path)
 
 
+def test_a_flip_anywhere_in_a_large_tensor_raises(tmp_path):
+    """The checksum covers every byte of a tensor, not a prefix: the other tests' tensors are
+    all under 1 KiB, so here a 1 MiB one is damaged past its first 64 KiB."""
+    path = tmp_path / "big.ckpt"
+    big = np.random.default_rng(2).normal(size=(512, 512)).astype(np.float32)  # 1 MiB
+    save_checkpoint({"big": big, "step": np.array(7, np.int32)}, path)
+    np.testing.assert_array_equal(_loaded(path)["big"], big)  # intact, it loads
+    raw = path.read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    begin, end = (8 + struct.unpack("<Q", raw[:8])[0] + o for o in header["big"]["data_offsets"])
+    assert end - begin == big.nbytes
+    for offset in (64 * 1024, 64 * 1024 + 1, big.nbytes // 2, big.nbytes - 1):
+        _flipped(path, raw, begin + offset, 0)
+        with pytest.raises(ValueError, match=rf"{path}: checksum mismatch in tensor 'big': its bytes have CRC32"):
+            load_checkpoint(path)
+
+
 def test_every_flipped_header_bit_raises_or_changes_nothing(tmp_path):
     # A flip in the header may land where it means nothing (a hex digit's case); anything
     # else must raise: the header has its own checksum, and a renamed checksum key is noticed.

@@ -108,6 +108,22 @@ def test_the_stall_warning_names_the_collective_and_the_late_rank_and_the_wait_g
                          r"ranks that have not arrived: \[1\]", m) for m in messages), messages
 
 
+def test_each_stalled_call_warns_once_even_on_the_same_thread():
+    def body():
+        comm = mp.init(timeout=10.0, stall_warning=0.1)
+        for _ in range(2):  # two stalled calls, one after the other, on the same threads
+            if mp.get_rank() == 1:
+                time.sleep(0.4)
+            comm.allreduce(np.ones(3))
+
+    with pytest.warns(CollectiveStallWarning) as caught:
+        run(2, body)
+    messages = [str(w.message) for w in caught if w.category is CollectiveStallWarning]
+    for seq in (0, 1):  # rank 0 waited in each: one warning per call, not one per thread
+        found = [m for m in messages if f"rank 0 of 2: allreduce #{seq}(" in m]
+        assert len(found) == 1, messages
+
+
 def test_timeout_zero_waits_as_long_as_it_takes():
     def body():
         comm = mp.init(timeout=0, stall_warning=0)
@@ -336,6 +352,39 @@ def test_the_watchdog_serves_warns_once_then_times_out_a_long_call():
     stalls = [e for e in comm.events if e[0] == "stall"]
     assert len(stalls) == 1 and stalls[0][1] == "allreduce #4" and 0.2 <= stalls[0][2] < 0.5
     assert comm.events.index(stalls[0]) < comm.events.index(("timeout", "allreduce #4"))
+
+
+def test_the_watchdog_warns_for_each_stalled_call_of_the_same_thread():
+    """Warned once per call, not once per thread: a rank's thread stalls in many calls in a job."""
+    from minidl_parallel.comm.mpi import Watchdog
+    comm = _StandIn(timeout=0, stall_warning=0.1)
+    dog = Watchdog()
+    try:
+        for seq in range(2):  # thread 1 stalls in one call, then in the next
+            call = f"allreduce #{seq}"
+            dog.inflight[1] = (comm, call, time.monotonic())
+            deadline = time.monotonic() + 5.0
+            while ("stall", call) not in [e[:2] for e in comm.events if e != "serve"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            del dog.inflight[1]
+    finally:
+        dog.stop()
+    assert [e[1] for e in comm.events if e != "serve" and e[0] == "stall"] == ["allreduce #0", "allreduce #1"]
+
+
+def test_a_polled_wait_warns_for_each_stalled_call_of_the_same_thread():
+    """Communicator._wait_for (the mpi backend's polled calls, nccl's barrier): one warning per call."""
+    from minidl_parallel.comm.base import CallInfo
+    from minidl_parallel.comm.local import LocalCommunicator
+    comm = LocalCommunicator(timeout=10.0, stall_warning=0.05)
+    with pytest.warns(CollectiveStallWarning) as caught:
+        for seq in range(2):
+            done_at = time.perf_counter() + 0.2
+            comm._wait_for(lambda: time.perf_counter() >= done_at, CallInfo("allreduce", seq, (3,), "float32"))
+    messages = [str(w.message) for w in caught if w.category is CollectiveStallWarning]
+    for seq in (0, 1):
+        assert len([m for m in messages if f"allreduce #{seq}(shape=(3,), dtype=float32) has waited" in m]) == 1, \
+            messages
 
 
 def test_the_watchdog_leaves_calls_shorter_than_its_period_alone():

@@ -3,6 +3,7 @@ import numpy as np
 
 from minidl import nn
 from minidl.dataset import NumpySlicesDataset
+from minidl.runtime import Runtime
 from minidl.tensor import Tensor
 from minidl.train import Callback
 
@@ -101,3 +102,17 @@ class Recorder(Callback):
 
     def end(self, rc):
         self._rec("end", rc)
+
+
+class Rank(Runtime):
+    """Rank ``r`` of a world of ``size``, installed with ``with Rank(r):``: what the callbacks and
+    the metrics log ask (training without a reducer uses no collective)."""
+
+    def __init__(self, r, size=2):
+        self.r, self.size = r, size
+
+    def rank(self):
+        return self.r
+
+    def group_size(self):
+        return self.size

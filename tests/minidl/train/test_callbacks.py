@@ -9,11 +9,10 @@ import pytest
 
 import minidl
 from minidl import nn, ops, Parameter, Tensor
-from minidl.runtime import Runtime
 from minidl.train import (Callback, CallbackList, CallbackParam, CheckpointConfig, LossMonitor, Model,
                           ModelCheckpoint, RunContext, TimeMonitor, latest_checkpoint)
 
-from .helpers import Recorder, StopAt, blobs, ce_loss, mlp, momentum, slices
+from .helpers import Rank, Recorder, StopAt, blobs, ce_loss, mlp, momentum, slices
 
 
 class ConstLoss(nn.Cell):
@@ -196,38 +195,16 @@ def test_append_info_goes_to_metadata(tmp_path):
 
 
 def test_loss_monitor_rank0_only_asks_the_runtime_for_the_rank(capsys):
-    from minidl.runtime import Runtime
-
-    class Rank(Runtime):
-        def __init__(self, rank):
-            self._rank = rank
-
-        def rank(self):
-            return self._rank
-
     with Rank(1):
         _const_model(1.5).train(1, _small_ds(8, 4), callbacks=LossMonitor(rank0_only=True))
         assert capsys.readouterr().out == ""
         _const_model(1.5).train(1, _small_ds(8, 4), callbacks=LossMonitor())  # every rank prints by default
-        assert capsys.readouterr().out == "epoch: 1 step: 1, loss is 1.5\nepoch: 1 step: 2, loss is 1.5\n"
+        assert capsys.readouterr().out == "[rank 1] epoch: 1 step: 1, loss is 1.5\n[rank 1] epoch: 1 step: 2, loss is 1.5\n"
     with Rank(0):
         _const_model(1.5).train(1, _small_ds(8, 4), callbacks=LossMonitor(rank0_only=True))
         assert capsys.readouterr().out.count("loss is 1.5") == 2
     with pytest.raises(TypeError, match="rank0_only must be True or False"):
         LossMonitor(rank0_only=1)
-
-
-class World(Runtime):
-    """Rank ``r`` of a world of ``size``: what the monitors ask (training uses no collective)."""
-
-    def __init__(self, r, size=2):
-        self.r, self.size = r, size
-
-    def rank(self):
-        return self.r
-
-    def group_size(self):
-        return self.size
 
 
 _TIME = r"epoch time: \d+\.\d{3} ms, per step time: \d+\.\d{3} ms"
@@ -242,7 +219,7 @@ def _fit_printing(callbacks):
 
 
 def test_monitors_prefix_their_lines_with_the_rank_when_several_ranks_print(capsys):
-    with World(1):
+    with Rank(1):
         _fit_printing([LossMonitor(), TimeMonitor()])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4, lines
@@ -251,16 +228,16 @@ def test_monitors_prefix_their_lines_with_the_rank_when_several_ranks_print(caps
     assert lines[2].startswith("[rank 1] Eval result: epoch 1, metrics: {'accuracy': ")
     assert re.fullmatch(rf"\[rank 1\] {_TIME}", lines[3]), lines[3]
     # the exact line: MindSpore's, after the prefix
-    with World(0, size=4):
+    with Rank(0, size=4):
         _const_model(1.5).train(1, _small_ds(4, 4), callbacks=LossMonitor())
     assert capsys.readouterr().out == "[rank 0] epoch: 1 step: 1, loss is 1.5\n"
 
 
 def test_rank0_only_monitors_print_on_rank_0_alone_and_unprefixed(capsys):
-    with World(1):
+    with Rank(1):
         _fit_printing([LossMonitor(rank0_only=True), TimeMonitor(rank0_only=True)])
     assert capsys.readouterr().out == ""
-    with World(0):
+    with Rank(0):
         _fit_printing([LossMonitor(rank0_only=True), TimeMonitor(rank0_only=True)])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4 and not any(line.startswith("[rank") for line in lines), lines
@@ -271,15 +248,15 @@ def test_rank0_only_monitors_print_on_rank_0_alone_and_unprefixed(capsys):
 
 def test_monitors_ask_the_rank_when_they_print_not_when_built(capsys):
     loss_monitor, time_monitor = LossMonitor(), TimeMonitor()  # built on one device ...
-    with World(1):                                             # ... used on rank 1 of 2: prefixed
+    with Rank(1):                                             # ... used on rank 1 of 2: prefixed
         _const_model(1.5).train(1, _small_ds(4, 4), callbacks=[loss_monitor, time_monitor])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "[rank 1] epoch: 1 step: 1, loss is 1.5" and re.fullmatch(rf"\[rank 1\] {_TIME}", lines[1])
     _const_model(1.5).train(1, _small_ds(4, 4), callbacks=[loss_monitor, time_monitor])  # one device again
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "epoch: 1 step: 1, loss is 1.5" and re.fullmatch(_TIME, lines[1])
-    with World(1):
+    with Rank(1):
         only0 = LossMonitor(rank0_only=True)  # built on rank 1 ...
-        with World(0):                        # ... prints on rank 0
+        with Rank(0):                        # ... prints on rank 0
             _const_model(1.5).train(1, _small_ds(4, 4), callbacks=only0)
     assert capsys.readouterr().out == "epoch: 1 step: 1, loss is 1.5\n"

@@ -7,24 +7,10 @@ import re
 
 import pytest
 
-from minidl.runtime import Runtime
 from minidl.train import CheckpointConfig, LossMonitor, Model, ModelCheckpoint, ProgressBar, latest_checkpoint
 from minidl.train.progress import MetricsLogger
 
-from .helpers import StopAt, blobs, ce_loss, mlp, momentum, slices
-
-
-class Rank(Runtime):
-    """Rank ``r`` of a world of ``size`` (no collective is used by training without a reducer)."""
-
-    def __init__(self, r, size=2):
-        self.r, self.size = r, size
-
-    def rank(self):
-        return self.r
-
-    def group_size(self):
-        return self.size
+from .helpers import Rank, StopAt, blobs, ce_loss, mlp, momentum, slices
 
 
 def _train(log_file, **kw):

@@ -121,13 +121,29 @@ def test_bad_settings_are_clear_errors():
 def test_bf16_on_the_device_is_a_clear_error():
     from minidl.testing import cupy_double
     xp = cupy_double.cupy_module()
-    with pytest.raises(TypeError, match="Compression.bf16 needs NumPy arrays: CuPy has no bfloat16 dtype; use "
-                                        "Compression.fp16 on the GPU"):
+    with pytest.raises(TypeError, match="DistributedGradReducer: Compression.bf16 needs NumPy arrays: CuPy has no "
+                                        "bfloat16 dtype; use Compression.fp16 on the GPU"):
         Compression.bf16.compress(xp, xp.zeros(3, dtype=xp.float32), "DistributedGradReducer")
 
 
 def test_bf16_without_ml_dtypes_names_the_package(monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # as if not installed: import raises ImportError
-    with pytest.raises(ImportError, match=r"Compression.bf16 needs the ml_dtypes package .*pip install ml_dtypes"):
+    with pytest.raises(ImportError, match=r"DistributedGradReducer: Compression.bf16 needs the ml_dtypes package .*"
+                                          r"pip install ml_dtypes"):
         DistributedGradReducer(_params([(2,)]), compression="bf16")
+
+
+def test_compressions_by_name_and_their_wire_types():
+    """Horovod's names in any case; the wire keeps the gradient's dtype without compression."""
+    for name, want in [(None, Compression.none), ("none", Compression.none), ("None", Compression.none),
+                       ("fp16", Compression.fp16), ("FP16", Compression.fp16), ("bf16", Compression.bf16)]:
+        assert Compression.resolve(name, "test") is want, name
+    for dtype in (np.float32, np.float64):
+        assert Compression.none.wire_dtype(dtype, "test") == dtype
+        assert Compression.fp16.wire_dtype(dtype, "test") == np.float16
+    # no compression: the wire is the bucket itself, and a separate wire array is copied back whole
+    buf = np.zeros(3, np.float32)
+    assert Compression.none.compress(np, buf, "test") is buf
+    Compression.none.decompress(np, np.array([1.0, 2.0, 3.0], np.float32), buf)
+    assert buf.tolist() == [1.0, 2.0, 3.0]

@@ -1,0 +1,126 @@
+"""Mutation testing of one module at a time against the tests aimed at it (mutmut; outside CI).
+
+A mutant that survives is a change to the code (``<`` for ``<=``, a constant, a dropped argument)
+that the module's own tests do not notice: either a missing test or an equivalent change. Each
+run copies the working tree into a scratch folder, configures mutmut there for one target, runs
+it, and prints the survivors with their diffs, so the checkout and its setup.cfg stay untouched.
+
+    python3 -m pip install mutmut
+    python3 tools/mutation.py compression sparse      # targets from TARGETS below
+    python3 tools/mutation.py --list
+
+docs/testing.md#mutation-testing records the latest results and why each survivor is left.
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# target: (the files mutated, the tests run against them). The tests are the ones aimed at the
+# code, as a developer changing it would run them, not the whole suite.
+TARGETS = {
+    "compression": (["minidl_parallel/compression.py"],
+                    ["tests/minidl_parallel/test_compression.py"]),
+    "sparse": (["minidl_parallel/sparse.py"],
+               ["tests/minidl_parallel/test_sparse.py", "tests/minidl_parallel/test_dist_opt.py"]),
+    "dist_opt": (["minidl_parallel/dist_opt.py"],
+                 ["tests/minidl_parallel/test_dist_opt.py", "tests/minidl_parallel/test_dist_opt_partial_update.py"]),
+    "adasum": (["minidl_parallel/adasum.py"], ["tests/minidl_parallel/test_accumulation_adasum.py"]),
+    "grad_reducer": (["minidl_parallel/grad_reducer.py"],
+                     ["tests/minidl_parallel/test_grad_reducer.py", "tests/minidl_parallel/test_accumulation_adasum.py",
+                      "tests/minidl_parallel/test_overlap.py"]),
+    "comm": (["minidl_parallel/comm/base.py", "minidl_parallel/comm/threads.py", "minidl_parallel/comm/local.py"],
+             ["tests/minidl_parallel/comm", "tests/minidl_parallel/test_collectives.py"]),
+    "io": (["minidl/io"], ["tests/minidl/io"]),
+    "graph_mode": (["minidl/graph_mode.py"],
+                   ["tests/minidl/test_graph_mode.py", "tests/minidl/test_graph_mode_dense.py"]),
+    "kernels": (["minidl/kernels/__init__.py", "minidl/kernels/cpu"], ["tests/minidl/kernels"]),
+    "kernels_cuda": (["minidl/kernels/cuda"], ["tests/minidl/kernels"]),
+}
+
+# Functions that Numba compiles cannot be mutated by mutmut: it replaces each function by a
+# trampoline that Numba cannot compile. Each of these loops is held to its NumPy reference by the
+# kernel tests (tests/minidl/kernels), which is what a mutant there would fail.
+NOT_MUTATED = ["minidl/kernels/cpu/loss.py", "minidl/kernels/cpu/norm_loops.py", "minidl/kernels/cpu/team_jobs.py",
+               "minidl/kernels/cpu/blas_compiled.py"]
+
+
+def working_tree_files():
+    """The tracked files and the untracked ones git does not ignore (the tree as a developer has it)."""
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                         capture_output=True).stdout
+    return [f for f in out.decode().split("\0") if f and (ROOT / f).is_file()]
+
+
+def configure(folder, sources, tests):
+    lines = ["", "[mutmut]", "source_paths ="] + [f"    {s}" for s in sources]
+    lines += ["pytest_add_cli_args_test_selection ="] + [f"    {t}" for t in tests]
+    lines += ["do_not_mutate ="] + [f"    {f}" for f in NOT_MUTATED]
+    # the mutated files' packages and the tests' helpers must be importable beside the mutants
+    lines += ["also_copy =", "    minidl", "    minidl_parallel", "    tests", "    examples", "    pyproject.toml"]
+    with open(folder / "setup.cfg", "a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def run(name, keep):
+    sources, tests = TARGETS[name]
+    folder = Path(tempfile.mkdtemp(prefix=f"minidl-mutation-{name}-"))
+    for f in working_tree_files():
+        (folder / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, folder / f)
+    configure(folder, sources, tests)
+    env = dict(os.environ, CI="true")  # the bounded hypothesis profile, as in CI
+    start = time.monotonic()
+    with open(folder / "mutmut-run.log", "w") as log:
+        done = subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=folder, env=env, stdout=log,
+                              stderr=subprocess.STDOUT)
+    seconds = time.monotonic() - start
+    if done.returncode != 0:
+        tail = (folder / "mutmut-run.log").read_text(errors="replace")[-3000:]
+        print(f"{name}: mutmut run failed ({done.returncode}); its folder {folder} is kept:\n{tail}")
+        return 1
+    listing = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=folder, env=env,
+                             capture_output=True, text=True).stdout
+    status = [line.strip().rsplit(": ", 1) for line in listing.splitlines() if ": " in line and "__mutmut_" in line]
+    counts = {}
+    for _, verdict in status:
+        counts[verdict] = counts.get(verdict, 0) + 1
+    print(f"== {name}: {len(status)} mutants in {seconds:.0f} s: "
+          + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())))
+    for mutant, verdict in status:
+        if verdict in ("survived", "no tests", "timeout", "suspicious"):
+            diff = subprocess.run([sys.executable, "-m", "mutmut", "show", mutant], cwd=folder, env=env,
+                                  capture_output=True, text=True).stdout
+            body = [line for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+            print(f"-- {verdict}: {mutant}\n   " + "\n   ".join(body))
+    if keep:
+        print(f"(the run's folder: {folder})")
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("targets", nargs="*", help=f"among {', '.join(TARGETS)}")
+    parser.add_argument("--list", action="store_true", help="print the targets with their files and tests")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch folder (mutmut browse there)")
+    args = parser.parse_args()
+    if args.list or not args.targets:
+        for name, (sources, tests) in TARGETS.items():
+            print(f"{name}: {' '.join(sources)}  <-  {' '.join(tests)}")
+        return 0
+    unknown = [t for t in args.targets if t not in TARGETS]
+    if unknown:
+        parser.error(f"unknown targets {unknown}: expected some of {list(TARGETS)}")
+    return max(run(name, args.keep) for name in args.targets)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -156,3 +156,26 @@ def test_sparse_allreduce_sends_the_values_in_the_gradients_dtype():
         assert gathered == [np.int64, np.int64, np.float32]  # the counts, the indices, the values
         assert total.dtype == np.float32
         np.testing.assert_array_equal(total, want)
+
+
+def test_on_the_device_the_selection_and_the_sums_stay_device_arrays(on_the_double):
+    """minidl's GPU path on the strict device double (which refuses a silent host copy): both
+    paths of sparse_allreduce and top-K's selection build their arrays with the gradient's module."""
+    cp = on_the_double
+    rng = np.random.default_rng(1)
+    flats = [rng.standard_normal(16) for _ in range(2)]
+    idx = select(cp.asarray(flats[0]), 0.25, True)
+    assert isinstance(idx, cp.ndarray)
+    np.testing.assert_array_equal(cp.asnumpy(idx), np.sort(np.argsort(-np.abs(flats[0]), kind="stable")[:4]))
+    for idxs in ([[0], [3, 7]], [list(range(16))] * 2):  # the all-gathers, then the dense all-reduce
+        want = np.zeros(16)
+        for flat, ix in zip(flats, idxs):
+            want[ix] += flat[ix]
+
+        def rank():
+            r = get_communicator().rank
+            return sparse_allreduce(get_communicator(), cp.asarray(flats[r]), cp.asarray(idxs[r], dtype=np.int64))
+
+        for total in run_threads(2, rank):
+            assert isinstance(total, cp.ndarray)
+            np.testing.assert_allclose(cp.asnumpy(total), want, rtol=1e-15, atol=0)

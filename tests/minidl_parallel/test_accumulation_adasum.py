@@ -147,6 +147,20 @@ def test_adasum_adds_orthogonal_gradients_and_averages_identical_ones():
         np.testing.assert_allclose(out[0], g, rtol=1e-15)
 
 
+def test_a_gradient_under_horovods_threshold_keeps_coefficient_one_for_its_partner():
+    """|g|^2 < 1e-8: the formula would divide by almost zero, so that term keeps coefficient 1
+    (Horovod's rule); from |g|^2 = 1e-8 on, the formula applies (the threshold is inclusive)."""
+    big = np.array([3.0, 4.0, 0.0])
+    for tiny_norm2 in (1e-10, 1e-8):
+        tiny = np.array([np.sqrt(tiny_norm2), 0.0, 0.0])
+        dot = tiny @ big
+        c_tiny = 1.0 if tiny_norm2 < 1e-8 else 1.0 - dot / tiny_norm2 / 2
+        want = c_tiny * tiny + (1.0 - dot / 25.0 / 2) * big
+        for first, second in ((tiny, big), (big, tiny)):  # either side of the pair
+            for out in _adasum([[first], [second]]):
+                np.testing.assert_allclose(out[0], want, rtol=1e-15, atol=0, err_msg=f"|tiny|^2 = {tiny_norm2}")
+
+
 def test_adasum_on_a_world_that_is_not_a_power_of_two_is_a_clear_error_on_every_rank():
     with pytest.raises(ValueError, match=r"Adasum needs a power-of-two number of ranks .* got a world of 3"):
         _adasum([[np.ones(2)]] * 3)

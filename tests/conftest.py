@@ -36,6 +36,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.enviro
 def pytest_configure(config):
     config.addinivalue_line("markers", "cpu_only: the test is about the CPU path (OpenBLAS threads, the "
                                        "allocator, mpirun jobs, PyTorch); skipped when pinned to a GPU device")
+    config.addinivalue_line("markers", "call_site: the test checks a stack location (the file a warning names, "
+                                       "a collective's call site); mutmut's trampolines add frames, so "
+                                       "tools/mutation.py deselects it")
 
 
 def pytest_collection_modifyitems(config, items):

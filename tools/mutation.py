@@ -34,7 +34,9 @@ TARGETS = {
     "adasum": (["minidl_parallel/adasum.py"], ["tests/minidl_parallel/test_accumulation_adasum.py"]),
     "grad_reducer": (["minidl_parallel/grad_reducer.py"],
                      ["tests/minidl_parallel/test_grad_reducer.py", "tests/minidl_parallel/test_accumulation_adasum.py",
-                      "tests/minidl_parallel/test_overlap.py"]),
+                      "tests/minidl_parallel/test_overlap.py", "tests/minidl_parallel/test_compression.py",
+                      "tests/minidl_parallel/test_parameter_broadcast.py",
+                      "tests/minidl_parallel/test_agreement_checks.py", "tests/minidl_parallel/test_uneven_inputs.py"]),
     "comm": (["minidl_parallel/comm/base.py", "minidl_parallel/comm/threads.py", "minidl_parallel/comm/local.py"],
              ["tests/minidl_parallel/comm", "tests/minidl_parallel/test_collectives.py"]),
     "comm_backends": (["minidl_parallel/comm/mpi.py", "minidl_parallel/comm/nccl.py"], ["tests/minidl_parallel/comm"]),
@@ -71,7 +73,10 @@ def configure(folder, sources, tests):
     lines += ["pytest_add_cli_args_test_selection ="] + [f"    {t}" for t in tests]
     lines += ["do_not_mutate ="] + [f"    {f}" for f in NOT_MUTATED]
     # the mutated files' packages and the tests' helpers must be importable beside the mutants
-    lines += ["also_copy =", "    minidl", "    minidl_parallel", "    tests", "    examples", "    pyproject.toml"]
+    lines += ["also_copy =", "    minidl", "    minidl_parallel", "    tests", "    examples", "    benchmarks",
+              "    pyproject.toml"]
+    # tests of a stack location fail under mutmut's trampolines whatever the mutant (tests/conftest.py)
+    lines += ["pytest_add_cli_args =", "    -m", "    not call_site"]
     with open(folder / "setup.cfg", "a") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -311,6 +311,7 @@ class Holder:
         return iter(self.params.items())
 
 
+@pytest.mark.call_site
 def test_a_partial_load_warns_once_naming_every_missing_parameter_and_unused_entry():
     net = Holder("a", "b", "c")
     with pytest.warns(CheckpointLoadWarning) as record:
@@ -344,6 +345,7 @@ def test_no_warning_when_everything_matches_or_for_internal_partial_loads():
         load_param_into_net(Holder("a", "b"), {"a": np.ones(2)}, strict_load=True)
 
 
+@pytest.mark.call_site
 def test_load_checkpoint_into_a_net_warns_at_the_caller(tmp_path):
     path = tmp_path / "net.ckpt"
     save_checkpoint({"a": np.ones(2), "x": np.ones(2)}, path)

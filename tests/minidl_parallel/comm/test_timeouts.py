@@ -268,6 +268,7 @@ def _line_of(marker):
     return next(start + i for i, line in enumerate(lines) if line.rstrip().endswith(marker))
 
 
+@pytest.mark.call_site
 def test_debug_level_2_catches_same_shape_collectives_reordered_across_ranks(monkeypatch):
     monkeypatch.setenv("MINIDL_DIST_DEBUG", "2")
     results = run(2, reorder_body)

@@ -8,7 +8,7 @@ from minidl import Parameter, Tensor, nn
 from minidl.dataset import NumpySlicesDataset
 from minidl.train import Callback
 from minidl_parallel import run_threads
-from minidl_parallel.grad_reducer import DistributedGradReducer
+from minidl_parallel.grad_reducer import DistributedGradReducer, broadcast_tensors
 
 
 class _Snapshot(Callback):
@@ -81,3 +81,95 @@ def test_broadcast_parameters_rejects_non_tensors():
         reducer.broadcast_parameters([np.zeros(2)])
     with pytest.raises(TypeError, match="parameter_broadcast must be a bool"):
         DistributedGradReducer([], parameter_broadcast=1)
+
+
+def _distinct(sizes, rank, dtype=np.float64):
+    """Tensors of the given numbers of values, every value distinct across tensors and ranks."""
+    start = np.cumsum([0] + list(sizes))
+    return [Tensor((np.arange(a, b) + 100 * rank).astype(dtype)) for a, b in zip(start, start[1:])]
+
+
+def test_broadcast_tensors_fills_buffers_up_to_fusion_bytes_exactly_from_root_0_by_default():
+    sizes = [2, 2, 2, 2]  # float64, fusion 32 bytes: two full buffers [2, 2] [2, 2]
+
+    def body():
+        rank = mp.get_rank()
+        ts = _distinct(sizes, rank)
+        count = broadcast_tensors(ts, fusion_bytes=32)
+        first = [t.asnumpy().copy() for t in ts]
+        again = broadcast_tensors(_distinct(sizes, rank))  # the default fusion_bytes: one buffer
+        mixed = [Tensor(np.full(2, rank, d)) for d in (np.float32, np.float64, np.float32, np.int64)]
+        return count, first, again, broadcast_tensors(mixed), mixed
+
+    want = [t.asnumpy() for t in _distinct(sizes, 0)]
+    for count, first, again, mixed_count, mixed in run_threads(2, body):
+        assert count == 2 and again == 1
+        for got, w in zip(first, want):
+            np.testing.assert_array_equal(got, w)
+        assert mixed_count == 3  # one buffer per dtype, never one mixed buffer
+        assert [t.dtype for t in mixed] == [np.float32, np.float64, np.float32, np.int64]
+        assert all(np.all(t.asnumpy() == 0) for t in mixed)
+
+
+def test_broadcast_parameters_from_another_root_and_its_checks():
+    from minidl_parallel.comm.local import LocalCommunicator
+
+    def body():
+        rank = mp.get_rank()
+        ts = _distinct([3, 1], rank)
+        reducer = DistributedGradReducer([Parameter(np.zeros(3), name="p")])
+        reducer.broadcast_parameters(ts, root=1)
+        alone = broadcast_tensors(_distinct([3], rank), comm=LocalCommunicator())  # nothing to send
+        return [t.asnumpy() for t in ts], alone, broadcast_tensors([])
+
+    for values, alone, empty in run_threads(2, body):
+        np.testing.assert_array_equal(np.concatenate(values), np.arange(4) + 100)  # rank 1's
+        assert alone == 0 and empty == 0
+    assert broadcast_tensors(_distinct([3], 0)) == 0  # a world of one
+    for root in (1, -1, False):
+        with pytest.raises(ValueError, match=r"^broadcast_parameters: root must be a rank in \[0, 0\], got "
+                                             f"{root!r}$"):
+            broadcast_tensors(_distinct([3], 0), root)
+    with pytest.raises(TypeError, match=r"^broadcast_parameters: tensors\[0\] must be a Tensor, got ndarray$"):
+        broadcast_tensors([np.zeros(2)])
+    with pytest.raises(TypeError, match=r"^broadcast_parameters: group must be a Communicator \(or None for the "
+                                        r"world\), got str$"):
+        broadcast_tensors(_distinct([3], 0), comm="world")
+
+
+def test_ranks_broadcasting_from_different_roots_or_running_another_check_are_named():
+    from minidl_parallel.agreement import disagreement
+
+    def body(other):
+        comm = mp.get_communicator()
+        try:
+            if comm.rank == 1 and other:
+                return disagreement(comm, "strategy", ())
+            broadcast_tensors(_distinct([2], 0), root=comm.rank)
+        except ValueError as e:
+            return str(e)
+
+    message = run_threads(2, body, False)[0]
+    assert message.startswith("broadcast_parameters: the ranks reduce gradients with different settings: rank 0: "
+                              "root=0, rank 1: root=1; "), message
+    assert run_threads(2, body, True)[0] == (
+        "broadcast_parameters: the ranks are running different checks at the same point (rank 0: 'parameters', "
+        "rank 1: 'strategy'): they run different programs or parallel modes; every rank must make the same calls")
+
+
+def test_on_the_device_host_tensors_get_buffers_of_their_own(on_the_double):
+    """Optimizer state kept on the host (global_step) is never packed with device tensors."""
+    cp = on_the_double
+
+    def body():
+        rank = mp.get_rank()
+        device = Tensor(np.full(3, rank, np.float32))
+        host = Parameter(np.zeros(1, np.float32), name="global_step")
+        host.data = np.full(1, rank, np.float32)  # as optimizer.py's _host_parameter keeps it
+        count = broadcast_tensors([device, host])
+        return count, device.data, host.data
+
+    for count, device, host in run_threads(2, body):
+        assert count == 2
+        assert isinstance(device, cp.ndarray) and isinstance(host, np.ndarray)
+        assert np.all(cp.asnumpy(device) == 0) and np.all(host == 0)

@@ -256,6 +256,12 @@ class Holder:
     def __init__(self, **shapes):
         self.params = {n: Parameter(np.zeros(s, np.float32), name=n) for n, s in shapes.items()}
 
+    @classmethod
+    def of(cls, *params):
+        holder = cls()
+        holder.params = {p.name: p for p in params}
+        return holder
+
     def parameters_and_names(self):
         return iter(self.params.items())
 
@@ -427,3 +433,197 @@ def test_training_state_keeps_given_names_and_resumes_from_either_keying(tmp_pat
         assert restore_train_state(source, fresh, fresh_opt) == (0, 1, 1, 4)
         for got, want in zip(_values(fresh) + _values(fresh_opt), _values(net) + _values(opt)):
             assert_same(got, want)
+
+
+# ---- argument checks name the function, the argument and what it got -------------------------
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda p: save_checkpoint({"w": np.ones(1)}, 42), TypeError,
+     "save_checkpoint: ckpt_file_name must be a str or path, got int"),
+    (lambda p: save_checkpoint({"w": np.ones(1)}, p, integrated_save="yes"), ValueError,
+     "save_checkpoint: integrated_save must be None, True or False, got 'yes'"),
+    (lambda p: save_checkpoint({"": np.ones(1)}, p), ValueError,
+     "save_checkpoint: names must be non-empty strings, got ''"),
+    (lambda p: save_checkpoint({"w": "text"}, p), TypeError,
+     "save_checkpoint: value of 'w' must be a Parameter, Tensor, array or number, got str"),
+    (lambda p: save_checkpoint([{"name": "w"}], p), TypeError,
+     r"save_checkpoint: list element 0 must be a named Parameter or a dict {'name': ..., 'data': ...}, got dict"),
+    (lambda p: save_checkpoint(42, p), TypeError,
+     "save_checkpoint: save_obj must be a Cell (anything with parameters_and_names()), a list of Parameters, "
+     "a list of {'name', 'data'} dicts or a dict, got int"),
+    (lambda p: save_checkpoint({"w": np.ones(1)}, p, append_dict=[("epoch", 1)]), TypeError,
+     "save_checkpoint: append_dict must be a dict, got list"),
+    (lambda p: save_checkpoint({"w": np.ones(1)}, p, append_dict={1: "x"}), TypeError,
+     "save_checkpoint: append_dict keys must be str, got 1"),
+    (lambda p: load_checkpoint(p, filter_prefix=["head", 1]), TypeError,
+     "load_checkpoint: filter_prefix must be a str or a list of str, got ('head', 1)"),
+    (lambda p: load_checkpoint(p, specify_prefix=[None]), TypeError,
+     "load_checkpoint: specify_prefix must be a str or a list of str, got (None,)"),
+    (lambda p: load_param_into_net(object(), {}), TypeError,
+     "load_param_into_net: net must be a Cell (anything with parameters_and_names()), got object"),
+    (lambda p: load_param_into_net(Holder(w=(1,)), [("w", np.ones(1))]), TypeError,
+     "load_param_into_net: parameter_dict must be a dict, got list"),
+])
+def test_argument_errors_name_the_function_argument_and_value(tmp_path, call, error, message):
+    path = tmp_path / "a.ckpt"
+    with pytest.raises(error) as info:
+        call(path)
+    assert str(info.value) == message
+    assert not path.exists()
+
+
+def test_integrated_save_changes_nothing_without_sharded_parameters(tmp_path):
+    w = np.arange(3, dtype=np.float32)
+    for integrated_save in (None, True, False):
+        path = tmp_path / f"{integrated_save}.ckpt"
+        save_checkpoint({"w": w}, path, integrated_save=integrated_save)
+        assert_same(load_checkpoint(path)["w"].asnumpy(), w)
+        assert load_checkpoint_metadata(path) == {}
+
+
+def test_a_prefix_is_a_whole_string_not_its_characters(tmp_path):
+    path = tmp_path / "p.ckpt"
+    save_checkpoint({n: np.ones(1) for n in ["head.w", "h2.w", "e.w", "backbone.w"]}, path)
+    assert sorted(load_checkpoint(path, specify_prefix="head")) == ["head.w"]
+    assert sorted(load_checkpoint(path, filter_prefix="head")) == ["backbone.w", "e.w", "h2.w"]
+
+
+# ---- load_checkpoint(net=...) ---------------------------------------------------------------
+
+def test_load_checkpoint_into_a_net_loads_and_warns_or_raises_as_load_param_into_net(tmp_path):
+    path = tmp_path / "net.ckpt"
+    save_checkpoint({"a": np.full(2, 3.0), "x": np.ones(2)}, path)
+    net = Holder(a=(2,), b=(2,))
+    with pytest.warns(minidl.io.CheckpointLoadWarning) as record:  # strict_load defaults to False, as MindSpore
+        params = load_checkpoint(path, net=net)
+    assert sorted(params) == ["a", "x"] and len(record) == 1
+    assert str(record[0].message) == (
+        "load_checkpoint: 1 parameter(s) of the net got no value and keep their current values: ['b']; "
+        "1 checkpoint entry matched no parameter: ['x']; check that the network is built as when the checkpoint "
+        "was saved (strict_load=True makes missing parameters an error)")
+    np.testing.assert_array_equal(net.params["a"].asnumpy(), [3.0, 3.0])
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(path, net=Holder(a=(2,), b=(2,)), strict_load=True)
+    assert str(info.value) == ("load_checkpoint: strict_load is set and 1 parameter(s) are missing from the "
+                               "checkpoint, nothing was loaded: ['b']")
+    with pytest.raises(ValueError, match=r"^load_checkpoint: 1 checkpoint entry matches more than one parameter"):
+        load_checkpoint(path, net=nn.SequentialCell(Scaled("a"), Scaled("a")))
+
+
+def test_the_warning_names_every_unmatched_entry_and_advises(tmp_path):
+    net = Holder(a=(2,))
+    with pytest.warns(minidl.io.CheckpointLoadWarning) as record:
+        assert load_param_into_net(net, {"a": np.ones(2), "x": np.ones(2), "y": np.ones(2)}) == ([], ["x", "y"])
+    assert len(record) == 1 and str(record[0].message) == (
+        "load_param_into_net: 2 checkpoint entries matched no parameter: ['x', 'y']; entries the net does not need "
+        "(e.g. the optimizer state of a training checkpoint) can be left out with load_checkpoint's specify_prefix, "
+        "filter_prefix or choice_func")
+
+
+# ---- load_param_into_net: values of any form, cast, written in place --------------------------
+
+def test_values_of_any_form_are_cast_to_the_parameter_dtype():
+    ints = Parameter(np.zeros(3, np.int32), name="i")
+    net = Holder(w=(2,), s=())
+    net.params["i"] = ints
+    noncontiguous = np.arange(8.0)[::4]  # float64, strided
+    assert load_param_into_net(net, {"w": noncontiguous, "s": 2.5, "i": [1.9, -2.0, 3.0]}) == ([], [])
+    assert_same(net.params["w"].asnumpy(), np.array([0.0, 4.0], np.float32))
+    assert_same(net.params["s"].asnumpy(), np.array(2.5, np.float32))
+    assert_same(ints.asnumpy(), np.array([1, -2, 3], np.int32))  # float -> int, as numpy's astype
+
+
+def test_a_read_only_parameter_array_is_replaced():
+    net = Holder(w=(2,))
+    net.params["w"].data.flags.writeable = False  # e.g. an array mapped read-only from a file
+    load_param_into_net(net, {"w": np.array([1.0, 2.0])})
+    assert_same(net.params["w"].asnumpy(), np.array([1.0, 2.0], np.float32))
+
+
+def test_two_ambiguous_entries_are_both_listed():
+    # Scales 0 and 2 are named like the paths of scales 1 and 3 (see the test above).
+    net = nn.SequentialCell(Scaled("1.scale"), Scaled("w"), Scaled("3.scale"), Scaled("v"))
+    with pytest.raises(ValueError) as info:
+        load_param_into_net(net, {n: np.ones(p.data.shape) for n, p in net.parameters_and_names()})
+    assert str(info.value) == (
+        "load_param_into_net: 2 checkpoint entries match more than one parameter, nothing was loaded: "
+        "'1.scale' matches the parameters at '0.scale' (named '1.scale') and '1.scale'; "
+        "'3.scale' matches the parameters at '2.scale' (named '3.scale') and '3.scale'; "
+        "give the parameters names that tell them apart, or pass a dict keyed by the names wanted")
+
+
+def test_the_helpers_report_as_load_param_into_net_by_default():
+    from minidl.io.checkpoint import load_param_into_net_quietly, match_parameters
+    net = nn.SequentialCell(Scaled("w"), Scaled("w"))
+    with pytest.raises(ValueError, match=r"^load_param_into_net: 1 checkpoint entry matches"):
+        match_parameters(net, {"w": np.ones(2)})
+    with pytest.raises(ValueError, match=r"^load_param_into_net: strict_load is set and 1 parameter\(s\) are missing"):
+        load_param_into_net_quietly(Holder(a=(1,), b=(1,)), {"a": np.ones(1)}, strict_load=True)
+
+
+def test_keyed_parameters_reports_as_save_checkpoint_by_default():
+    from minidl.io.checkpoint import keyed_parameters
+    with pytest.raises(ValueError, match=r"^save_checkpoint: parameters '0.scale' and '1.scale' would both be saved"):
+        keyed_parameters(nn.SequentialCell(Scaled("w"), Scaled("w")))
+
+
+# ---- sharded parameters (tensor parallelism), through a stand-in runtime ----------------------
+
+class _RowBlock:
+    """Placement of rank 1's half of an (8, 4) tensor split by rows."""
+    shape = (8, 4)
+
+    def __str__(self):
+        return "(a, -) on [2]"
+
+
+class _Rank1(minidl.runtime.Runtime):
+    """Rank 1 of two that split tensors by rows; rank 0's block holds -1 everywhere."""
+
+    def full_value(self, tensor):
+        if not tensor.is_sharded:
+            return tensor.data
+        return np.concatenate([np.full_like(tensor.data, -1.0), tensor.data])
+
+    def local_value(self, tensor, value):
+        return np.asarray(value)[4:] if tensor.is_sharded else value
+
+
+def _sharded(name, value=0.0):
+    p = Parameter(np.full((4, 4), value, np.float32), name=name)
+    p.placement = _RowBlock()
+    return p
+
+
+def test_sharded_parameters_need_integrated_save_named_in_the_message(tmp_path):
+    for count, shown in [(3, "'p0', 'p1', 'p2'"), (4, "'p0', 'p1', 'p2', ...")]:
+        with pytest.raises(ValueError) as info:
+            save_checkpoint([_sharded(f"p{i}") for i in range(count)] + [Parameter(np.ones(1), name="u")],
+                            tmp_path / "s.ckpt")
+        assert str(info.value) == (
+            f"save_checkpoint: {count} parameter(s) ({shown}) hold this rank's block of a sharded tensor; pass "
+            f"integrated_save=True on every rank to gather and save whole tensors (a collective), or "
+            f"integrated_save=False to save this rank's blocks")
+    assert not (tmp_path / "s.ckpt").exists()
+
+
+def test_sharded_parameters_save_whole_or_as_blocks_and_load_back(tmp_path):
+    whole, blocks = tmp_path / "whole.ckpt", tmp_path / "blocks.ckpt"
+    with _Rank1():
+        save_checkpoint([_sharded("w", 2.0), Parameter(np.ones(2, np.float32), name="u")], whole,
+                        integrated_save=True)
+        save_checkpoint([_sharded("w", 2.0)], blocks, integrated_save=False)
+    expected = np.concatenate([np.full((4, 4), -1.0), np.full((4, 4), 2.0)]).astype(np.float32)
+    assert_same(load_checkpoint(whole)["w"].asnumpy(), expected)
+    assert load_checkpoint_metadata(whole) == {"layout.w": "(a, -) on [2]"}
+    assert_same(load_checkpoint(blocks)["w"].asnumpy(), np.full((4, 4), 2.0, np.float32))
+    assert load_checkpoint_metadata(blocks) == {"layout.w": "(a, -) on [2]", "block.w": "(4, 4)"}
+    for path, values in [(whole, expected), (blocks, np.full((4, 4), 2.0, np.float32))]:
+        param = _sharded("w")
+        with _Rank1():
+            assert load_param_into_net(Holder.of(param), {"w": values}, strict_load=True) == ([], [])
+        assert_same(param.data, np.full((4, 4), 2.0, np.float32))  # this rank's block, from either file
+    with _Rank1(), pytest.raises(ValueError) as info:
+        load_param_into_net(Holder.of(_sharded("w")), {"w": np.ones((3, 4))})
+    assert str(info.value) == ("load_param_into_net: 1 parameter(s) have a different shape in the checkpoint, "
+                               "nothing was loaded: 'w': net (8, 4) (block (4, 4)) vs checkpoint (3, 4)")

@@ -1,8 +1,10 @@
 """Checkpoints you can trust: per-tensor checksums (every flipped bit is caught), temporary
 files that name their writer (a killed writer's leftovers can be removed safely), and the
 warning naming what a non-strict load_param_into_net left unmatched."""
+import hashlib
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -259,6 +261,119 @@ def test_remove_stale_temp_files_skips_a_file_that_vanished(tmp_path, monkeypatc
     monkeypatch.setattr(safetensors.os, "unlink", another_cleaner_was_first)
     assert remove_stale_temp_files(tmp_path) == []
     assert not stale.exists()
+
+
+def _pid_namespace():
+    try:
+        return "+" + re.sub(r"[^0-9]", "", os.readlink("/proc/self/ns/pid"))
+    except OSError:  # not Linux
+        return ""
+
+
+def test_the_host_token_is_the_percent_encoded_hostname_and_pid_namespace(monkeypatch):
+    # Pinned: processes of other minidl versions on this host read these names too.
+    ns = _pid_namespace()
+    for host, token in [("node1", "node1"), ("nœud.x", "n%C5%93ud%2Ex"), ("h" * (64 - len(ns)), "h" * (64 - len(ns)))]:
+        monkeypatch.setattr(safetensors.socket, "gethostname", lambda host=host: host)
+        assert safetensors._host_token() == token + ns  # 64 characters are still the hostname itself
+    long = "h" * (65 - len(ns))
+    monkeypatch.setattr(safetensors.socket, "gethostname", lambda: long)
+    assert safetensors._host_token() == "~" + hashlib.sha256((long + ns).encode()).hexdigest()[:24]
+
+
+def _temp_name(path):
+    seen = []
+    safetensors.atomic_write(path, lambda f: seen.extend(_temp_files(path.parent)))
+    assert len(seen) == 1
+    return seen[0]
+
+
+def test_a_long_basename_is_shortened_just_enough(tmp_path):
+    name = _temp_name(tmp_path / ("n" * 250))
+    assert len(name.encode()) == 255 and name.startswith(".nnnn") and name.endswith(".tmp")
+    # A cut inside a multi-byte character drops the partial character (whichever byte the cut falls on).
+    for base in ("é" * 120, "x" + "é" * 120):
+        name = _temp_name(tmp_path / base)
+        assert len(name.encode()) in (254, 255) and base.startswith(name[1:name.index(".", 1)])
+
+
+def test_remove_stale_temp_files_leaves_files_it_cannot_judge(tmp_path):
+    host = safetensors._host_token()
+    target = tmp_path / "net.ckpt"
+    target.write_bytes(b"x")
+    kept = [f".net.ckpt.{host}.0.abcdefgh.tmp",  # pid 0 is no process (os.kill(0) would signal our group)
+            f".net.ckpt.{host}.{2**70}.abcdefgh.tmp"]  # not a valid pid
+    for name in kept:
+        (tmp_path / name).write_bytes(b"x")
+    link = f".link.{host}.{_dead_pid()}.abcdefgh.tmp"
+    os.symlink(target, tmp_path / link)  # not a regular file of a writer
+    assert remove_stale_temp_files(tmp_path) == []
+    assert sorted(os.listdir(tmp_path)) == sorted(kept + [link, "net.ckpt"])
+
+
+def test_remove_stale_temp_files_removes_nothing_on_windows(tmp_path, monkeypatch):
+    stale = tmp_path / f".net.ckpt.{safetensors._host_token()}.{_dead_pid()}.abcdefgh.tmp"
+    stale.write_bytes(b"x")
+    monkeypatch.setattr(safetensors.os, "name", "nt")  # there os.kill(pid, 0) would stop the process
+    assert remove_stale_temp_files(tmp_path) == []
+    monkeypatch.undo()
+    assert stale.exists()
+
+
+def _two_stale(tmp_path):
+    dead = _dead_pid()
+    paths = [tmp_path / f".{n}.ckpt.{safetensors._host_token()}.{dead}.abcdefgh.tmp" for n in ("a", "b")]
+    for path in paths:
+        path.write_bytes(b"x")
+    return dead, paths
+
+
+def _first_unlink_fails(monkeypatch, error, remove=False):
+    """os.unlink raising ``error`` on its first call (after removing the file when ``remove``)."""
+    real_unlink, calls = os.unlink, []
+
+    def unlink(path):
+        calls.append(path)
+        if len(calls) == 1:
+            if remove:
+                real_unlink(path)
+            raise error
+        real_unlink(path)
+
+    monkeypatch.setattr(safetensors.os, "unlink", unlink)
+    return calls
+
+
+def test_a_vanished_file_does_not_stop_the_clean_up(tmp_path, monkeypatch):
+    dead, paths = _two_stale(tmp_path)
+    calls = _first_unlink_fails(monkeypatch, FileNotFoundError("gone"), remove=True)
+    assert remove_stale_temp_files(tmp_path) == [calls[1]]
+    assert not any(p.exists() for p in paths)
+
+
+def _check_unremovable_skipped(record, dead, calls):
+    assert len(record) == 1 and str(record[0].message) == (
+        f"remove_stale_temp_files: cannot remove the stale temporary file {calls[0]!r} (its writer, process {dead} "
+        f"on this host, is gone): not yours")
+    assert os.path.exists(calls[0]) and not os.path.exists(calls[1])
+
+
+def test_a_file_that_cannot_be_removed_is_named_in_a_warning(tmp_path, monkeypatch):
+    dead, _ = _two_stale(tmp_path)
+    calls = _first_unlink_fails(monkeypatch, PermissionError("not yours"))
+    with pytest.warns(UserWarning) as record:
+        assert remove_stale_temp_files(tmp_path) == [calls[1]]
+    _check_unremovable_skipped(record, dead, calls)
+
+
+@pytest.mark.call_site
+def test_the_clean_up_warning_is_attributed_to_the_caller(tmp_path, monkeypatch):
+    dead, _ = _two_stale(tmp_path)
+    calls = _first_unlink_fails(monkeypatch, PermissionError("not yours"))
+    with pytest.warns(UserWarning) as record:
+        remove_stale_temp_files(tmp_path)
+    _check_unremovable_skipped(record, dead, calls)
+    assert record[0].filename == __file__
 
 
 def test_remove_stale_temp_files_needs_a_directory(tmp_path):

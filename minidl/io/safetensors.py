@@ -281,7 +281,9 @@ def _read_header(f, filename):
     if size < 8:
         raise _bad(filename, f"the file has {size} bytes, fewer than the 8-byte header length")
     n = int.from_bytes(f.read(8), "little")
-    if n > _MAX_HEADER or 8 + n > size:
+    if n > _MAX_HEADER:
+        raise _bad(filename, f"header length {n} is over the format's limit of {_MAX_HEADER} bytes")
+    if 8 + n > size:
         raise _bad(filename, f"header length {n} runs past the end of the file ({size} bytes)")
     try:
         header = json.loads(f.read(n).decode("utf-8"))

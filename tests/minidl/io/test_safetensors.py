@@ -61,7 +61,8 @@ def test_the_header_length_limit(tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors, "_MAX_HEADER", len(GOLDEN_HEADER))  # a header of the limit's length is read
     assert list(safetensors.load_file(path)) == ["step", "w"]
     monkeypatch.setattr(safetensors, "_MAX_HEADER", len(GOLDEN_HEADER) - 1)
-    with pytest.raises(ValueError, match=f"header length {len(GOLDEN_HEADER)} "):
+    with pytest.raises(ValueError, match=f"header length {len(GOLDEN_HEADER)} is over the format's limit of "
+                                         f"{len(GOLDEN_HEADER) - 1} bytes"):
         safetensors.load_file(path)
 
 

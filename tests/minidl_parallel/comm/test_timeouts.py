@@ -286,6 +286,7 @@ def test_debug_level_1_does_not_see_the_reorder_and_the_sums_are_wrong(monkeypat
     assert run(2, reorder_body) == [("ok", 21.0), ("ok", 21.0)]
 
 
+@pytest.mark.call_site
 def test_debug_level_2_rejects_one_collective_called_from_different_lines(monkeypatch):
     """The price of level 2: the same call made from two lines (a rank-dependent branch) is
     rejected although it would pair correctly."""

@@ -532,3 +532,345 @@ def test_pynative_mode_installs_no_hook():
         assert primitive._graph_call is None and cell._graph_call is None and autograd._graph_flush is None
     with mode(minidl.GRAPH_MODE):
         assert primitive._graph_call is not None and cell._graph_call is not None
+
+
+def bn_parts(c=3, seed=0):
+    """gamma, beta, moving mean and variance of c channels, as a user passes them to ops.BatchNorm."""
+    rng = np.random.default_rng(seed)
+    return (minidl.Parameter(rng.uniform(0.5, 1.5, c).astype(np.float32), name="gamma"),
+            minidl.Parameter(rng.uniform(-0.5, 0.5, c).astype(np.float32), name="beta"),
+            minidl.Parameter(np.zeros(c, np.float32), name="mean", requires_grad=False),
+            minidl.Parameter(np.ones(c, np.float32), name="var", requires_grad=False))
+
+
+def pending_dense(x2d, channels):
+    """A pending Dense output (x2d @ w.T + b) of ``channels`` columns."""
+    rng = np.random.default_rng(5)
+    w = Tensor(rng.standard_normal((channels, x2d.shape[1])).astype(np.float32))
+    return ops.Dense()(x2d, w, Tensor(rng.standard_normal(channels).astype(np.float32)))
+
+
+RESIDUALS = {  # form: (relu or not of bn(h) and a residual r, whether graph mode fuses it)
+    "bn_plus_r": (lambda d, h, r: ops.relu(d + r), True),
+    "r_plus_bn": (lambda d, h, r: ops.relu(r + d), True),
+    "bn_plus_its_own_input": (lambda d, h, r: ops.relu(d + h), False),   # reading h computes d first
+    "no_relu_after_the_add": (lambda d, h, r: (d + r) * 2.0, False),
+    # (N, C) inputs; the residual a Dense output still pending at the Add
+    "pending_dense_plus_bn": (lambda d, h, r: ops.relu(pending_dense(r, 3) + d), True),
+}
+
+
+@pytest.mark.parametrize("form", RESIDUALS)
+def test_a_residual_added_on_either_side_fuses_as_eager(form):
+    """The residual Add of a pending BatchNorm output and a tensor of its shape, in either order,
+    fuses at the ReLU; an Add not followed by a ReLU, or of the BatchNorm's own input, runs as
+    eager. Values, gradients and moving statistics are eager's in every case."""
+    body, fuses = RESIDUALS[form]
+
+    def forward():
+        gamma, beta, mean, var = bn_parts()
+        bn = ops.BatchNorm(is_training=True, momentum=0.3)
+        seen = {}
+
+        def loss(x, r):
+            h = x * 1.0
+            out = body(bn(h, gamma, beta, mean, var), h, r)
+            seen["names"] = node_names(out)
+            return (out * image(out.shape, seed=3)).sum()
+        shape = (4, 3) if form == "pending_dense_plus_bn" else (4, 3, 8, 8)
+        x, r = image(shape), image(shape, seed=1)
+        x.requires_grad = r.requires_grad = True
+        value, ((gx, gr), (gg, gb)) = minidl.value_and_grad(loss, (0, 1), [gamma, beta])(x, r)
+        return [value.asnumpy(), gx.asnumpy(), gr.asnumpy(), gg.asnumpy(), gb.asnumpy(), mean.asnumpy(),
+                var.asnumpy()], seen["names"]
+    with kernels.reference_only():
+        (eager, _), (graph, names) = both(forward)
+    assert_same(eager, graph)
+    assert ("BatchNormReLU" in names and "Add" not in names) == fuses, names
+
+
+@pytest.mark.parametrize("case", ["momentum", "no_moving_statistics", "two_values_per_channel", "raw_arrays"])
+def test_the_batchnorm_call_reaches_the_fused_op_as_given(case):
+    """What the BatchNorm call holds (its momentum, moving statistics left out, the smallest
+    training batch, a NumPy array for gamma) gives eager's values and moving statistics; each
+    fuses with its ReLU but the one with a raw array (graph mode cannot watch it): eager's ops."""
+    def forward():
+        c = 1 if case == "two_values_per_channel" else 3
+        x = image((2, 1, 1, 1) if c == 1 else (4, 3, 8, 8))
+        gamma, beta, mean, var = bn_parts(c)
+        bn = ops.BatchNorm(is_training=True, momentum=0.3 if case == "momentum" else 0.1)
+        args = [gamma, beta, mean, var]
+        if case == "no_moving_statistics":
+            args[2:] = [None, None]
+        elif case == "raw_arrays":
+            args[0] = gamma.asnumpy()
+        out = ops.relu(bn(x, *args))
+        return [out.asnumpy(), mean.asnumpy(), var.asnumpy()], node_names(out)
+    with kernels.reference_only():
+        (eager, _), (graph, names) = both(forward)
+    assert_same(eager, graph)
+    if case == "no_moving_statistics":
+        assert_same(graph[1:], [np.zeros(3), np.ones(3)])
+    else:
+        assert not np.array_equal(graph[1], np.zeros_like(graph[1]))
+    assert names == (["ReLU", "BatchNorm"] if case == "raw_arrays" else ["BatchNormReLU"])
+
+
+def test_other_uses_of_a_pending_output_compute_it_as_eager():
+    """Known without running it: shape, dtype, ndim, size. Copying, pickling or deleting an
+    attribute computes it first, as any other use (a copy is a plain Tensor)."""
+    import copy
+    import pickle
+
+    def forward():
+        gamma, beta, mean, var = bn_parts()
+        outs = []
+        for use in ("copy", "deepcopy", "pickle", "del"):
+            y = ops.BatchNorm(is_training=True)(image(), gamma, beta, mean, var)
+            known = (y.shape, y.dtype, y.ndim, y.size)
+            if use == "copy":
+                other = copy.copy(y)
+            elif use == "deepcopy":
+                other = copy.deepcopy([y, y])[1]
+            elif use == "pickle":
+                other = pickle.loads(pickle.dumps(y))
+            else:
+                del y.grad
+                other = y
+            outs.append((known, graph_mode.is_deferred(y), type(other).__name__, other.asnumpy()))
+        return outs, mean.asnumpy()
+    eager, graph = both(forward)
+    assert_same(eager, graph)
+    assert graph[0][0][0] == ((4, 3, 8, 8), np.float32, 4, 4 * 3 * 8 * 8)
+
+
+def test_inputs_of_a_tensor_subclass_keep_their_class_and_eagers_order():
+    """Inputs of a user's own Tensor subclass: whatever is done to them while the op is pending
+    (a write into the array, a new array, an attribute deleted, a copy) sees what eager would,
+    and they and their copies keep their class."""
+    def forward():
+        class Mine(Tensor):   # a new class each run: graph mode meets it for the first time
+            __slots__ = ()
+        gamma, beta, mean, var = bn_parts()
+        bn = ops.BatchNorm(is_training=True)
+        outs, kept = [], []
+        for use in ("write", "set", "del", "copy"):
+            h = Mine(image().data.copy())
+            y = bn(h, gamma, beta, mean, var)
+            if use == "write":
+                h.data[...] = 0       # the first access reads h.data, then writes into the array
+            elif use == "set":
+                h.data = np.zeros((4, 3, 8, 8), np.float32)   # the first access sets h.data
+            elif use == "del":
+                del h.grad
+            else:
+                kept.append(copy_of(h))
+            outs.append(ops.relu(y).asnumpy())
+            kept.append(h)
+        return outs, [t.asnumpy() for t in kept], mean.asnumpy(), [type(t) is Mine for t in kept]
+    eager, graph = both(forward)
+    assert_same(eager, graph)
+    assert graph[-1] == [True] * 5
+
+
+def copy_of(t):
+    import copy
+    return copy.copy(t)
+
+
+@pytest.mark.parametrize("container", [tuple, list, lambda outs: {"out": outs[0], "aux": outs[1]}],
+                         ids=["tuple", "list", "dict"])
+def test_an_output_returned_in_a_container_fuses_with_the_callers_relu(container):
+    class Block(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)
+
+        def construct(self, x):
+            return container([self.bn(self.conv(x)), x * 2.0])
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def construct(self, x):
+            outs = self.block(x)
+            y, aux = (outs["out"], outs["aux"]) if isinstance(outs, dict) else outs
+            return ops.relu(y) + aux
+
+    def forward():
+        net = Net()
+        net.set_train(True)
+        out = net(image())
+        return out.asnumpy(), state(net), node_names(out)
+    with kernels.reference_only():
+        (out_e, st_e, _), (out_g, st_g, names) = both(forward)
+    assert_same(out_e, out_g)
+    assert_same(st_e, st_g)
+    assert "BatchNormReLU" in names and "BatchNorm" not in names
+
+
+def test_a_cell_is_called_with_eagers_arguments():
+    """Keyword arguments reach construct; a SequentialCell called with two inputs or a keyword
+    raises eager's error."""
+    class Scaled(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm2d(3)
+
+        def construct(self, x, scale=1.0):
+            return ops.relu(self.bn(x)) * scale
+
+    results = []
+    for m in MODES:
+        with mode(m):
+            minidl.set_seed(0)
+            net = Scaled()
+            net.set_train(True)
+            outs = [net(image(), scale=3.0).asnumpy(), net(image()).asnumpy()]
+            seq, errors = nn.SequentialCell([nn.Dense(4, 4), nn.ReLU()]), []
+            for call in (lambda: seq(image((2, 4)), image((2, 4))), lambda: seq(image((2, 4)), scale=2.0)):
+                with pytest.raises(TypeError) as err:
+                    call()
+                errors.append(str(err.value))
+            results.append((outs, state(net), errors))
+    assert_same(results[0][:2], results[1][:2])
+    assert results[0][2] == results[1][2]
+    np.testing.assert_allclose(results[1][0][0], 3 * results[1][0][1], rtol=1e-6)   # the keyword reached it
+
+
+def test_graph_mode_in_another_thread_equals_eager():
+    """A thread that runs the model (a server's worker, say) starts with nothing pending."""
+    import threading
+
+    def forward():
+        block = models_minidl.BasicBlock(3, 8, 2)
+        block.set_train(True)
+        result = {}
+
+        def work():
+            try:
+                out = block(image())
+                result["out"] = (out.asnumpy(), node_names(out), state(block))
+            except Exception as exc:  # noqa: BLE001 - reported in the main thread
+                result["error"] = exc
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+        if "error" in result:
+            raise result["error"]
+        return result["out"]
+    (out_e, _, st_e), (out_g, names, st_g) = both(forward)
+    assert_same(out_e, out_g)
+    assert_same(st_e, st_g)
+    assert names.count("BatchNormReLU") == 2
+
+
+def test_the_moving_statistics_read_after_the_fused_op_run_nothing_more(monkeypatch):
+    """The fused op updated them: reading them (its output still alive) runs no BatchNorm."""
+    from minidl.ops.primitive import Primitive
+    ran, original = [], Primitive.apply
+
+    def apply(prim, *args):
+        ran.append(type(prim).__name__)
+        return original(prim, *args)
+    monkeypatch.setattr(Primitive, "apply", apply)
+
+    def forward():
+        bn = nn.BatchNorm2d(3)
+        bn.set_train(True)
+        seen = []
+
+        class Net(nn.Cell):
+            def construct(self, x):
+                y = bn(x)
+                a = ops.relu(y)
+                seen.append((bn.moving_mean.asnumpy().copy(), bn.moving_variance.asnumpy().copy()))
+                return a
+        ran.clear()
+        out = Net()(image())
+        return out.asnumpy(), seen, [n for n in ran if "BatchNorm" in n or n == "ReLU"]
+    eager, graph = both(forward)
+    assert_same(eager[:2], graph[:2])
+    assert eager[2] == ["BatchNorm", "ReLU"] and graph[2] == ["BatchNormReLU"]
+
+
+def test_value_and_grad_computes_what_its_function_left_pending():
+    """A function (no Cell) whose BatchNorm output it keeps aside: value_and_grad returns with it
+    computed and the moving statistics updated, as eager."""
+    def forward():
+        gamma, beta, mean, var = bn_parts()
+        w, kept = minidl.Parameter(np.full((1, 3, 1, 1), 2.0, np.float32), name="w"), {}
+
+        def loss(x):
+            kept["y"] = ops.BatchNorm(is_training=True)(x * 1.0, gamma, beta, mean, var)
+            return (x * w).sum()
+        minidl.value_and_grad(loss, None, [w])(image())
+        return graph_mode.is_deferred(kept["y"]), kept["y"].asnumpy(), mean.asnumpy()
+    eager, graph = both(forward)
+    assert_same(eager, graph)
+    assert graph[0] is False
+
+
+def sharded(t):
+    """t marked as a whole-tensor block of a world of one (what tensor parallelism leaves on a
+    Parameter): the local runtime computes it as any tensor."""
+    from minidl_parallel.tensor_parallel.layout import Layout
+    from minidl_parallel.tensor_parallel.tensors import set_layout
+    set_layout(t, Layout.replicated(len(t.shape), 1), t.shape)
+    return t
+
+
+def test_a_sharded_input_is_not_deferred():
+    def forward():
+        gamma, beta, mean, var = bn_parts()
+        out = ops.relu(ops.BatchNorm(is_training=True)(image(), sharded(gamma), beta, mean, var))
+        return [out.asnumpy(), mean.asnumpy()], node_names(out)
+    (eager, _), (graph, names) = both(forward)
+    assert_same(eager, graph)
+    assert names == ["ReLU", "BatchNorm"]
+
+
+def test_graph_mode_keeps_no_reference_to_a_steps_tensors():
+    """Once a step is over, its activations (here the BatchNorms' inputs) can be freed."""
+    import gc
+    import weakref
+    refs = []
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.bn, self.bn2 = nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+
+        def construct(self, x):
+            h, h2 = x * 1.0, x * 2.0
+            refs.extend([weakref.ref(h), weakref.ref(h2)])
+            self.bn2(h2)              # discarded: run at the cell's end
+            return ops.relu(self.bn(h))
+    with mode(minidl.GRAPH_MODE):
+        net = Net()
+        net.set_train(True)
+        out = net(image())
+        refs.append(weakref.ref(out))
+        del out
+        gc.collect()
+    assert [r() for r in refs] == [None] * 3
+
+
+def test_in_inference_the_kept_output_sees_its_fusion_time_moving_statistics():
+    def forward():
+        bn = nn.BatchNorm2d(3)
+        bn.set_train(False)
+
+        class Net(nn.Cell):
+            def construct(self, x):
+                y = bn(x * 1.0)
+                a = ops.relu(y)
+                bn.moving_mean.data[...] = 0.5     # after the fusion, before y's use (a checkpoint load)
+                return a + y
+        out = Net()(image())
+        return out.asnumpy(), node_names(out)
+    (out_e, _), (out_g, names) = both(forward)
+    assert_same(out_e, out_g)
+    assert "BatchNormReLU" in names

@@ -485,7 +485,10 @@ def test_the_sequential_route_leaves_what_it_cannot_fuse_to_the_cells():
         for net, x in ((nn.SequentialCell([nn.Dense(20, 6), nn.ReLU()]), data((2, 3, 20))),  # 3-D: reshaped
                        (nn.SequentialCell([nn.Dense(20, 6, activation="relu"), nn.ReLU()]), data((4, 20))),
                        (MySequence([nn.Dense(20, 6), nn.ReLU()]), data((4, 20))),
-                       (nn.SequentialCell([nn.Dense(20, 6), nn.Sigmoid()]), data((4, 20)))):
+                       (nn.SequentialCell([nn.Dense(20, 6), nn.Sigmoid()]), data((4, 20))),
+                       (nn.SequentialCell([nn.Dense(20, 6), nn.ReLU()]), data((2, 20, 20))),  # 3-D, 20 rows
+                       (nn.SequentialCell([nn.Dense(20, 6), nn.ReLU(), nn.Dense(6, 4), nn.Sigmoid()]),
+                        data((4, 20)))):
             y = net(x)
             outs.append((y.asnumpy(), node_names(y)))
         return outs
@@ -496,6 +499,8 @@ def test_the_sequential_route_leaves_what_it_cannot_fuse_to_the_cells():
     assert graph[1][1].count("ReLU") == 1 and "DenseReLU" in graph[1][1]   # Dense's own ReLU fused; the next runs
     assert graph[2][1] == ["DenseReLU"]                                    # deferred and fused instead
     assert "DenseReLU" not in graph[3][1] and "Dense" in graph[3][1]
+    assert "Reshape" in graph[4][1] and "DenseReLU" not in graph[4][1]
+    assert sorted(graph[5][1]) == ["Dense", "DenseReLU", "Sigmoid"]   # a ReLU fuses with the Dense before it only
 
 
 def test_the_sequential_route_raises_eagers_errors():
@@ -509,3 +514,107 @@ def test_the_sequential_route_raises_eagers_errors():
                 messages.append(f"{type(err.value).__name__}: {err.value}")
     assert messages[:2] == messages[2:]
     assert messages[0].startswith("TypeError: Dense:") and messages[1].startswith("ValueError: Dense:")
+
+
+def test_a_pending_output_knows_its_shape_and_dtype():
+    x, w, b = data((4, 5)), data((3, 5), 1), data((3,), 2)
+    with mode(minidl.GRAPH_MODE):
+        for make in (lambda: dense(x, w, b), lambda: ops.bias_add(matmul(x, w), b), lambda: matmul(x, w)):
+            y = make()
+            assert graph_mode.is_deferred(y)
+            assert (y.shape, y.dtype, y.ndim, y.size) == ((4, 3), np.float32, 2, 12)
+            assert graph_mode.is_deferred(y)   # none of them ran it
+
+
+@pytest.mark.parametrize("case", ["gram", "dense_of_x_and_x", "two_products_of_one_input"])
+def test_one_tensor_used_twice_while_pending(case):
+    """x @ x.T (one tensor as both inputs) fuses, and a write into the bias of Dense(x, x, b)
+    before its ReLU computes it first, as eager. Two pending products of one input, then a
+    write into it: both computed before the write, as eager."""
+    def forward():
+        x, w = data((4, 5)), data((3, 5), 1)
+        b = Parameter(data((4,), 2).data, name="b")
+        h = x * 1.0
+        if case == "gram":
+            out = ops.relu(ops.bias_add(matmul(h, h), b))
+        elif case == "dense_of_x_and_x":
+            d = dense(h, h, b)
+            b.data[...] = 0
+            out = ops.relu(d)
+        else:
+            m1, m2 = matmul(h, w), matmul(h, w * 2.0)
+            h.data[...] = 0
+            out = ops.relu(m1) + ops.relu(m2)
+        return out.asnumpy(), node_names(out)
+    with kernels.reference_only():
+        (out_e, _), (out_g, names) = both(forward)
+    assert_same(out_e, out_g)
+    if case == "gram":
+        assert names == ["DenseReLU"]
+    elif case == "dense_of_x_and_x":
+        assert names == ["ReLU", "Dense"]   # the write into b computed the Dense first
+
+
+def test_calls_with_the_wrong_number_of_inputs_raise_eagers_errors():
+    x, w, b = data((4, 5)), data((3, 5), 1), data((3,), 2)
+    messages = []
+    for m in MODES:
+        with mode(m):
+            for call in (lambda: ops.Add()(x), lambda: ops.BiasAdd()(matmul(x, w), b, b)):
+                with pytest.raises(TypeError) as err:
+                    call()
+                messages.append(str(err.value))
+    assert messages[:2] == messages[2:]
+    assert messages[0] == "Add: expected 2 input(s), got 1" and messages[1] == "BiasAdd: expected 2 input(s), got 3"
+
+
+@pytest.mark.parametrize("case", ["bias_add_after_a_dense_op", "matmul_plus_a_tensor_of_its_shape"])
+def test_only_a_matmul_takes_a_deferred_bias(case):
+    """A BiasAdd after a Dense op (which has its bias), or an Add of a MatMul's output and a
+    (4, 3) tensor (not a bias), runs as eager's ops."""
+    def body(x, w, b):
+        if case == "bias_add_after_a_dense_op":
+            b2 = b * 2.0
+            return ops.relu(ops.bias_add(dense(x, w, b), b2))
+        return ops.relu(b.reshape((1, 3)).broadcast_to((4, 3)) * 1.0 + matmul(x, w))
+    names = run_ops(body)
+    assert "DenseReLU" not in names and "ReLU" in names
+
+
+def test_a_cell_end_runs_every_op_it_left_pending():
+    """An unused MatMul + BiasAdd, then an unused BatchNorm: when the cell returns both have run
+    (the moving statistics updated in place, as their array, taken before, shows)."""
+    def forward():
+        bn = nn.BatchNorm1d(3)
+        bn.set_train(True)
+        moving_mean = bn.moving_mean.data
+
+        class Net(nn.Cell):
+            def construct(self, x, w, b, h):
+                ops.bias_add(matmul(x, w), b)
+                bn(h * 1.0)
+                return h * 2.0
+        Net()(data((4, 5)), data((3, 5), 1), data((3,), 2), data((4, 3), 3))
+        return moving_mean.copy()
+    eager, graph = both(forward)
+    assert_same(eager, graph)
+    assert not np.array_equal(graph, np.zeros(3))
+
+
+def test_sharded_or_raw_inputs_are_not_deferred():
+    """A weight tensor parallelism left a layout on (here a whole block of a world of one), or an
+    input given as a NumPy array: the ops run as eager's, no fusion."""
+    from test_graph_mode import sharded
+
+    def forward():
+        x, w, b = data((4, 5)), sharded(Parameter(data((3, 5), 1).data, name="w")), data((3,), 2)
+        fc = nn.Dense(5, 3)
+        fc.weight = w
+        outs = [ops.relu(ops.bias_add(matmul(x, w), b)), ops.relu(dense(x, w, b)), nn.SequentialCell([fc, nn.ReLU()])(x)]
+        w = data((3, 5), 1)
+        outs += [ops.relu(ops.bias_add(matmul(x.asnumpy(), w), b)), ops.relu(dense(x.asnumpy(), w, b))]
+        return [(out.asnumpy(), node_names(out)) for out in outs]
+    with kernels.reference_only():
+        eager, graph = both(forward)
+    assert_same(eager, graph)
+    assert all("DenseReLU" not in names for _, names in graph)

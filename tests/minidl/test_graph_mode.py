@@ -589,7 +589,8 @@ def test_a_residual_added_on_either_side_fuses_as_eager(form):
     assert ("BatchNormReLU" in names and "Add" not in names) == fuses, names
 
 
-@pytest.mark.parametrize("case", ["momentum", "no_moving_statistics", "two_values_per_channel", "raw_arrays"])
+@pytest.mark.parametrize("case", ["momentum", "no_moving_statistics", "two_values_per_channel",
+                                  pytest.param("raw_arrays", marks=pytest.mark.cpu_only)])  # (NumPy gamma: host)
 def test_the_batchnorm_call_reaches_the_fused_op_as_given(case):
     """What the BatchNorm call holds (its momentum, moving statistics left out, the smallest
     training batch, a NumPy array for gamma) gives eager's values and moving statistics; each

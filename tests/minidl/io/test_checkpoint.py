@@ -533,6 +533,7 @@ def test_values_of_any_form_are_cast_to_the_parameter_dtype():
     assert_same(ints.asnumpy(), np.array([1, -2, 3], np.int32))  # float -> int, as numpy's astype
 
 
+@pytest.mark.cpu_only  # NumPy's read-only flag
 def test_a_read_only_parameter_array_is_replaced():
     net = Holder(w=(2,))
     net.params["w"].data.flags.writeable = False  # e.g. an array mapped read-only from a file
@@ -607,6 +608,7 @@ def test_sharded_parameters_need_integrated_save_named_in_the_message(tmp_path):
     assert not (tmp_path / "s.ckpt").exists()
 
 
+@pytest.mark.cpu_only  # the stand-in runtime's blocks are NumPy arrays
 def test_sharded_parameters_save_whole_or_as_blocks_and_load_back(tmp_path):
     whole, blocks = tmp_path / "whole.ckpt", tmp_path / "blocks.ckpt"
     with _Rank1():

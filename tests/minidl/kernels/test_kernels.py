@@ -43,6 +43,15 @@ def test_every_kernel_has_cases():
         assert k.cases(), f"{k.name} has no differential cases"
 
 
+def test_the_numpy_kernels_cases_run_in_each_float_dtype_they_take():
+    # The differential test runs a case in its first array's dtype; float32 and float64 differ in
+    # their bounds and in the BLAS call, so the cases hold each kernel to both.
+    for k in ALL:
+        if k.backend == "numpy":
+            want = {"float32"} if k.name == "Conv2DOneDNN" else {"float32", "float64"}  # oneDNN's: float32 only
+            assert {str(np.asarray(arrays[0]).dtype) for _, arrays in k.cases()} == want, k.name
+
+
 @pytest.mark.cpu_only  # the CuPy kernels' cases run on the device double (test_conv_kernels.py)
 @pytest.mark.parametrize("kernel", [k for k in ALL if k.backend == "numpy"], ids=lambda k: k.name)
 def test_kernel_equals_its_reference(kernel):
@@ -113,3 +122,52 @@ def test_a_kernel_node_never_backpropagated_is_freed_without_the_garbage_collect
     y = ops.ReLU()(x)
     y.sum().backward()
     np.testing.assert_array_equal(x.grad.asnumpy(), (x.asnumpy() > 0).astype(np.float32))
+
+
+def test_registered_lists_an_ops_kernels_or_none():
+    assert [k.name for k in kernels.registered(ops.ReLU)] == ["ReLURows"]
+    assert kernels.registered(ops.Softmax) == []  # an op without kernels: none, not an error
+    assert set(ALL) <= set(kernels.registered())  # (other tests may register more)
+
+
+@pytest.mark.cpu_only  # ReLU's kernel is a NumPy one
+def test_set_reference_only_switches_the_table_and_says_so():
+    x = np.random.default_rng(0).standard_normal((2, 4096))
+    try:
+        kernels.set_reference_only(1)  # any truthy value
+        assert kernels.is_reference_only() is True
+        with kernels.tracking() as used:
+            ops.relu(Tensor(x))
+        assert used == set()
+        kernels.set_reference_only(0)
+        assert kernels.is_reference_only() is False
+        with kernels.tracking() as used:
+            ops.relu(Tensor(x))
+        assert {k.name for k in used} == {"ReLURows"}
+    finally:
+        kernels.set_reference_only(False)
+
+
+def test_options_lists_each_declared_option_with_its_value_default_and_meaning(monkeypatch):
+    monkeypatch.setattr(kernels, "_defaults", dict(kernels._defaults))  # the declaration below is this test's
+    kernels.declare_option("test_only_rows", 8, "rows a test kernel takes at once")
+    assert kernels.get_option("test_only_rows") == 8
+    kernels.set_option("test_only_rows", 3)
+    try:
+        assert kernels.options()["test_only_rows"] == (3, 8, "rows a test kernel takes at once")
+    finally:
+        kernels.set_option("test_only_rows", None)
+    listed = kernels.options()
+    assert listed["relu_row"] == (4096, 4096, "elements per row of the zero operand ReLU's CPU kernel takes x in")
+    assert list(listed) == sorted(listed)
+
+
+def test_a_kernel_without_its_own_methods_applies_and_names_what_it_lacks():
+    class Bare(kernels.Kernel):
+        op = ops.ReLU
+    bare = Bare()
+    assert bare.applies(None, np.ones(3)) is True and bare.cases() == []
+    with pytest.raises(NotImplementedError, match=r"^Bare\.forward$"):
+        bare.forward(None, np.ones(3))
+    with pytest.raises(NotImplementedError, match=r"^Bare\.backward$"):
+        bare.backward(None, np.ones(3))

@@ -153,3 +153,45 @@ def test_momentum_over_several_parameters_on_the_team_is_per_parameter_bit_for_b
             ops.ApplyMomentum(use_nesterov=nesterov)(w, v, 0.05, g, 0.9)
     for w, v, w_many, v_many in zip(ws, vs, *many):
         assert same(w_many, w) and same(v_many, v)
+
+
+@pytest.mark.parametrize("layout", ["both strided", "gy strided", "y strided"])
+def test_masked_sums_of_strided_arrays_are_numpys(layout):
+    # The team's header holds addresses and sizes (C-contiguous arrays): strided ones take NumPy's passes.
+    rng = np.random.default_rng(6)
+    gy, y = (draw(rng, (40, 60), np.float32)[:, ::2] for _ in range(2))  # (40, 30) views
+    if layout == "gy strided":
+        y = y.copy()
+    elif layout == "y strided":
+        gy = gy.copy()
+    want = gy * (y > 0)
+    g, gb = dense.relu_grad(gy, y)
+    assert same(g, want) and same(gb, want.sum(axis=0))
+
+
+def test_the_pass_size_at_team_min_bytes_goes_to_the_team():
+    before = intra_op.get_num_threads()
+    intra_op.set_num_threads(2)
+    kernels.set_option("team_min_bytes", 1000)
+    try:
+        assert team.threads(1000) == 2 and team.threads(999) == 1
+    finally:
+        intra_op.set_num_threads(before)
+
+
+def test_the_runtime_found_afresh_runs_passes(monkeypatch):
+    # As in a new process: the runtime and the jobs' module looked up at the first pass.
+    monkeypatch.setattr(team, "_state", {})
+    assert team.available()
+    rng = np.random.default_rng(7)
+    y, b = draw(rng, (64, 64), np.float32), draw(rng, (64,), np.float32, specials=False)
+    assert same(dense.add_bias_relu(y.copy(), b, True), np.maximum(y + b, 0))
+
+
+def test_without_the_openmp_runtime_there_is_no_team(monkeypatch):
+    monkeypatch.setattr(team, "_state", {})
+    monkeypatch.setattr(team, "_iomp_paths", lambda: [])
+    assert not team.available() and team.threads(1 << 30) == 1
+    rng = np.random.default_rng(8)
+    y, b = draw(rng, (64, 64), np.float32), draw(rng, (64,), np.float32, specials=False)
+    assert same(dense.add_bias_relu(y.copy(), b, True), np.maximum(y + b, 0))

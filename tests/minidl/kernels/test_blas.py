@@ -1,0 +1,117 @@
+"""blas.py's direct GEMM: finding and binding each library (afresh, not from the process's first
+load), gemm's defaults, and which views matmul takes as they lie (the rest it leaves to NumPy)."""
+import importlib.metadata
+
+import numpy as np
+import pytest
+
+from minidl import kernels
+from minidl.kernels.cpu import blas
+
+pytestmark = pytest.mark.cpu_only
+
+
+def wheel_installed(name):
+    try:
+        importlib.metadata.distribution(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.fixture
+def fresh_blas(monkeypatch):
+    """blas.py as in a new process: no library loaded yet (the process's own loads are restored after)."""
+    for cache in ("_found", "_set_local", "_blas_int", "_compiled"):
+        monkeypatch.setattr(blas, cache, {})
+    return blas
+
+
+@pytest.fixture
+def ctypes_route():
+    """blas.matmul through ctypes and blas.py's own stride checks (not blas_compiled.py's)."""
+    kernels.set_option("blas_compiled", False)
+    try:
+        yield
+    finally:
+        kernels.set_option("blas_compiled", None)
+
+
+def test_installed_says_whether_each_library_is_there():
+    # MKL is the mkl wheel's libmkl_rt under sys.prefix/lib; OpenBLAS is the copy NumPy's wheel ships.
+    assert blas.installed("mkl") == wheel_installed("mkl")
+    assert blas.installed("openblas") is True
+
+
+@pytest.mark.parametrize("name", ["openblas", "mkl"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_fresh_load_binds_both_gemms_that_compute_the_product(fresh_blas, name, dtype):
+    if not blas.installed(name):
+        pytest.skip(f"{name} is not installed")
+    fns = fresh_blas.load(name)
+    assert sorted(fns) == ["d", "f"]
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((5, 7)).astype(dtype), rng.standard_normal((6, 7)).astype(dtype)
+    c = np.full((5, 6), 3.0, dtype)
+    previous = kernels.get_option("blas")
+    kernels.set_option("blas", name)
+    try:
+        assert fresh_blas.library() == name and fresh_blas.available(dtype)
+        # trans_b: C = A @ B.T; beta = 1 adds onto C
+        fresh_blas.gemm(dtype, 5, 6, 7, blas.address(a), 7, blas.address(b), 7, blas.address(c), 6, beta=1.0,
+                        trans_b=True)
+        tol = 1e-5 if dtype == np.float32 else 1e-12
+        np.testing.assert_allclose(c, a.astype(np.float64) @ b.T + 3.0, rtol=tol, atol=tol)
+        for compiled in (False, True):  # ctypes' call, and the compiled call through the bound addresses
+            kernels.set_option("blas_compiled", compiled)
+            out = np.full((5, 6), 3.0, dtype)
+            assert fresh_blas.matmul(a, b.T, out, threads=2)
+            np.testing.assert_allclose(out, a.astype(np.float64) @ b.T, rtol=tol, atol=tol)
+    finally:
+        kernels.set_option("blas", previous)
+        kernels.set_option("blas_compiled", None)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gemm_overwrites_c_by_default_and_takes_b_as_it_lies(dtype):
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((4, 3)).astype(dtype), rng.standard_normal((3, 5)).astype(dtype)
+    want = a.astype(np.float64) @ b
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    c = np.full((4, 5), 7.0, dtype)  # beta defaults to 0: C's old values do not count
+    blas.gemm(dtype, 4, 5, 3, blas.address(a), 3, blas.address(b), 5, blas.address(c), 5)
+    np.testing.assert_allclose(c, want, rtol=tol, atol=tol)
+    c = np.full((4, 5), 7.0, dtype)
+    blas.gemm_for(dtype)(4, 5, 3, blas.address(a), 3, blas.address(b), 5, blas.address(c), 5)
+    np.testing.assert_allclose(c, want, rtol=tol, atol=tol)
+
+
+def views(dtype):
+    """2-D views of several layouts: (name, array, whether BLAS can take it as it lies)."""
+    base = np.arange(1.0, 1 + 6 * 30, dtype=dtype).reshape(6, 30) / 50
+    flat = np.arange(1.0, 41.0, dtype=dtype) / 40
+    window = np.lib.stride_tricks.sliding_window_view(flat, 8)  # (33, 8), rows overlap: strides (1, 1) elements
+    return [("C", base[:, :8].copy(), True), ("F", np.asfortranarray(base[:, :8]), True),
+            ("row pitch", base[:, :8], True), ("column (6, 1)", base[:, :1].copy(), True),
+            ("row (1, 6), strides (1, 1)", base[:6, :1].copy().T, True),
+            ("transposed pitch", base[:, :6].T, True),
+            ("every other column", base[:, :16:2], False), ("both strided", base[::2, ::10], False),
+            ("overlapping rows", window[:6], False), ("overlapping columns", window[:6].T, False)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_matmul_takes_the_views_blas_can_and_leaves_the_rest(ctypes_route, dtype):
+    # Either out = a @ b (the call reports True) or out untouched (False, for NumPy to do): never a
+    # view read with the wrong strides.
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for name, a, takes in views(dtype):
+        for b_name, b in (("C", np.linspace(-1, 1, a.shape[1] * 3, dtype=dtype).reshape(a.shape[1], 3)),
+                          ("sliding", np.lib.stride_tricks.sliding_window_view(
+                              np.linspace(-1, 1, a.shape[1] + 2, dtype=dtype), 3))):
+            if b_name == "sliding" and a.shape[1] == 1:
+                continue  # one row of b: any row stride will do
+            out = np.full((a.shape[0], 3), 9.0, dtype)
+            done = blas.matmul(a, b, out)
+            assert done == (takes and b_name == "C"), (name, b_name)
+            want = a.astype(np.float64) @ b if done else np.full(out.shape, 9.0)
+            np.testing.assert_allclose(out, want, rtol=tol, atol=tol, err_msg=f"a {name}, b {b_name}")

@@ -2,6 +2,7 @@
 take, in cache-sized chunks and in chunks of two images, on the intra-op threads, and the CuPy
 kernels (memory-bounded chunks) on the device double."""
 import contextlib
+import re
 
 import numpy as np
 import pytest
@@ -116,3 +117,27 @@ def test_reference_only_runs_no_conv_kernel():
     with kernels.reference_only(), kernels.tracking() as used:
         ops.conv2d(Tensor(x), Tensor(w))
     assert not used
+
+
+def test_the_gpu_chunk_limit_comes_from_the_option_then_the_environment(monkeypatch):
+    """gpu_im2col_bytes: the option when set, else $MINIDL_GPU_IM2COL_BYTES (read at every call),
+    else 256 MiB; a limit that is not a positive int is refused naming where it came from."""
+    monkeypatch.delenv("MINIDL_GPU_IM2COL_BYTES", raising=False)
+    assert cuda_conv.gpu_im2col_bytes() == cuda_conv.GPU_IM2COL_BYTES == 256 << 20
+    monkeypatch.setenv("MINIDL_GPU_IM2COL_BYTES", "")
+    assert cuda_conv.gpu_im2col_bytes() == 256 << 20  # set but empty: the default
+    monkeypatch.setenv("MINIDL_GPU_IM2COL_BYTES", "4096")
+    assert cuda_conv.gpu_im2col_bytes() == 4096
+    with option("gpu_im2col_bytes", 1):  # the option wins over the environment
+        assert cuda_conv.gpu_im2col_bytes() == 1
+    for bad in ("0", "-3", "1.5", "lots"):
+        monkeypatch.setenv("MINIDL_GPU_IM2COL_BYTES", bad)
+        with pytest.raises(ValueError, match=r"^MINIDL_GPU_IM2COL_BYTES must be a positive int \(bytes of one "
+                                             r"chunk's im2col columns on the GPU, default 268435456\), got "
+                                             + re.escape(repr(bad)) + "$"):
+            cuda_conv.gpu_im2col_bytes()
+    monkeypatch.setenv("MINIDL_GPU_IM2COL_BYTES", "4096")
+    for bad in (0, -1, True, 2.0):
+        message = r"^the option gpu_im2col_bytes must be a positive int .*got " + re.escape(repr(bad)) + "$"
+        with option("gpu_im2col_bytes", bad), pytest.raises(ValueError, match=message):
+            cuda_conv.gpu_im2col_bytes()

@@ -12,13 +12,16 @@ The stand-ins are strict where the real libraries are and the nccl backend could
   on a destroyed communicator; ranks meet through the unique id, and two ranks on one GPU
   are refused as NCCL refuses them ("Duplicate GPU detected");
 - each thread-rank has its own view of the GPUs (its ``CUDA_VISIBLE_DEVICES``) and its own
-  current device, as a process has.
+  current device, as a process has;
+- streams log the events recorded and waited on them (``cupy.stream_log``), and the fake
+  communicator notes the stream of each all-reduce and the current GPU of each error poll.
 
 The inner MPI communicator is replaced by the rank's threads communicator, so host (NumPy)
 arrays travel there. What this cannot show: kernels, streams and their ordering, real device
 memory, NCCL itself; that needs a GPU (``python -m minidl.gpu_check``).
 """
 import os
+import re
 import sys
 import threading
 import types
@@ -210,24 +213,31 @@ def _fake_cupy():
             return _gpus["now"].bus_of(self.id)
 
     class Event:
-        def __init__(self):
-            self._gpus = _gpus["now"]
+        def __init__(self, stream_ptr=None):
+            self._gpus, self.stream_ptr = _gpus["now"], stream_ptr
 
         @property
         def done(self):
             return self._gpus.idle
 
     class Stream:
+        """Records what is done on it in ``cupy.stream_log``: ("record", stream) and ("wait",
+        stream, the stream the event was recorded on)."""
+
         def __init__(self, non_blocking=False, ptr=None):
             self.ptr = id(self) if ptr is None else ptr
+            self.non_blocking = non_blocking
 
         def record(self):
-            return Event()
+            cupy.stream_log.append(("record", self.ptr))
+            return Event(self.ptr)
 
         def wait_event(self, event):
             assert isinstance(event, Event)
+            cupy.stream_log.append(("wait", self.ptr, event.stream_ptr))
 
     cupy = types.ModuleType("cupy")
+    cupy.stream_log = []
     cupy.ndarray = _DevArray
     cupy.empty = lambda shape, dtype=float: _gpus["now"].allocate(shape, dtype)
     cupy.empty_like = lambda x: _gpus["now"].allocate(x.shape, x.dtype)
@@ -312,6 +322,7 @@ def _fake_nccl():
             self.gpus = _gpus["now"]
             self.bus = self.gpus.bus_of(self.gpus.current)  # NCCL takes the current device
             self.rank, self.ndev, self.calls, self.destroyed, self.aborted = rank, ndev, [], False, False
+            self.streams, self.polled_on = [], []  # allReduce's streams; the current GPU of each poll
             self.async_error = None
             with threading.Lock():
                 clique = cliques.setdefault(commId, _Clique(ndev))
@@ -341,6 +352,7 @@ def _fake_nccl():
             _ints("allReduce", sendbuf=sendbuf, recvbuf=recvbuf, count=count, datatype=datatype, op=op,
                   stream=stream)
             self._live("allReduce")
+            self.streams.append(stream)
             send, recv = self._view("allReduce", sendbuf, count, datatype), self._view("allReduce", recvbuf, count,
                                                                                        datatype)
             values = self.clique.exchange(self.rank, send.copy())
@@ -403,6 +415,7 @@ def _fake_nccl():
 
         def check_async_error(self):
             self._live("check_async_error")
+            self.polled_on.append(self.gpus.bus_of(self.gpus.current))  # CUDA works on the current GPU
             if self.async_error is not None:
                 raise NcclError(self.async_error)
 
@@ -438,7 +451,11 @@ class _PickledBcast:
         return self._host._allgather_object(obj)[root]
 
 
+_inner_made = []  # the arguments each inner communicator was made with
+
+
 def _host_stand_in(comm=None, debug=None, timeout=None, stall_warning=None):
+    _inner_made.append((comm, debug, timeout, stall_warning))
     host = get_communicator()
     host.comm = _PickledBcast(host)
     return host
@@ -460,6 +477,7 @@ def fakes(monkeypatch):
     monkeypatch.setattr(nccl_backend, "import_mpi", lambda: mpi)
     monkeypatch.setattr(nccl_backend, "MpiCommunicator", _host_stand_in)
     nccl_backend._stopping.clear()
+    _inner_made.clear()
     yield types.SimpleNamespace(gpus=gpus, cupy=cupy, nccl=nccl, aborts=aborts)
     nccl_backend._stopping.clear()
     _gpus["now"] = None
@@ -723,14 +741,16 @@ def test_release_destroys_sub_communicators_and_frees_their_inner_communicators(
         sub = comm.split([1, 0])
         total = sub.allreduce(_dev(np.array([rank + 1.0])), "sum").get()
         nccl_comms, host = (comm.comm, sub.comm), sub._mpi
+        kept = (sub.device, sub.timeout, sub.stall_warning, sub.debug) == (comm.device, 30.0, 0.0, comm.debug)
         comm.release()
         comm.release()  # a second release does nothing
         return {"sub_rank": sub.rank, "total": total, "destroyed": [c.destroyed for c in nccl_comms],
-                "sub_comm": sub.comm, "host_released": [h is host for h in released if h is host],
+                "sub_comm": sub.comm, "host_released": [h is host for h in released if h is host], "kept": kept,
                 "world_host_released": any(h is comm._mpi for h in released)}
 
     for rank, out in enumerate(_run(2, body)):
         assert out["sub_rank"] == 1 - rank
+        assert out["kept"], "the sub-communicator left the rank's GPU or its settings"
         np.testing.assert_array_equal(out["total"], [3.0])
         assert out["destroyed"] == [True, True]
         assert out["sub_comm"] is None
@@ -745,20 +765,24 @@ def test_release_stops_the_watchdog_before_destroying_the_communicator(fakes):
         comm.allreduce(_dev(np.ones(2)))
         dog = comm._watchdog
         polled = _wait_until(lambda: "check_async_error" in comm.comm.calls)
+        nccl_comm = comm.comm
         comm.release()
-        return polled, dog.is_alive(), dog in nccl_backend._watchdogs
+        named = dog.name == "minidl-nccl-watchdog" and dog.daemon  # a daemon: never holds up the exit
+        # the thread makes the rank's GPU current: CUDA calls from it would make a context on GPU 0
+        return polled, dog.is_alive(), dog in nccl_backend._watchdogs, named, set(nccl_comm.polled_on), rank
 
     try:
         results = _run(2, body)
     finally:
         fakes.gpus.idle = True
-    for polled, alive, listed in results:
+    for polled, alive, listed, named, polled_on, rank in results:
         assert polled, "the watchdog never polled NCCL for asynchronous errors"
-        assert not alive and not listed
+        assert not alive and not listed and named
+        assert polled_on == {_BUS_IDS[rank]}
     assert fakes.aborts == [], "the watchdog used the destroyed communicator and ended the job"
 
 
-def test_an_asynchronous_nccl_error_aborts_nccl_and_the_mpi_job(fakes):
+def test_an_asynchronous_nccl_error_aborts_nccl_and_the_mpi_job(fakes, capfd):
     """NCCL's asynchronous error (e.g. a peer's connection lost) on a rank ends the job:
     ncclCommAbort, then MPI_Abort, which mpirun turns into the end of every rank."""
     def body(rank):
@@ -779,6 +803,8 @@ def test_an_asynchronous_nccl_error_aborts_nccl_and_the_mpi_job(fakes):
         fakes.gpus.idle = True
     assert results == [False, True]
     assert fakes.aborts == [1]
+    assert capfd.readouterr().err == ("minidl_parallel: rank 1: NCCL reported an error during allreduce #0(shape=(2,), "
+                                      "dtype=float64): remote process exited or there was a network error\n")
 
 
 def _wait_until(condition, limit=5.0):
@@ -869,3 +895,250 @@ def test_different_or_missing_unique_ids_are_refused_on_every_rank(fakes, ids):
     results = _run(2, body)
     want = "rank(s) [1] differ from rank 0's" if ids == "different" else "rank(s) [1] were given no unique_id"
     assert all(kind == "RuntimeError" and want in message for kind, message in results), results
+
+
+# ---- settings, the bootstrap, dtypes and ops, streams ------------------------------------------
+
+def test_the_settings_reach_the_communicator_and_its_inner_mpi_communicator(fakes):
+    mpi_comm = object()  # the mpi4py communicator a caller passes (the stand-in inner ignores it)
+
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(mpi_comm, timeout=12, stall_warning=3, debug=1)
+        try:
+            gathered = comm.allgather_object({"rank": rank})
+            assert comm.mpi_comm is comm._mpi.comm  # the mpi4py communicator of the same ranks
+            return (comm.timeout, comm.stall_warning, comm.debug, comm.local_rank, comm.local_size), gathered
+        finally:
+            comm.release()
+
+    for rank, (settings, gathered) in enumerate(_run(2, body)):
+        assert settings == (12.0, 3.0, 1, rank, 2)
+        assert gathered == [{"rank": 0}, {"rank": 1}]
+    # the inner communicator: the same bounds, no debug checks of its own (the nccl one makes them)
+    assert _inner_made == [(mpi_comm, 0, 12, 3)] * 2
+
+
+def test_the_bootstrap_is_one_named_gather_of_the_placements_and_one_unique_id(fakes, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    seen, names = {}, []
+    check = nccl_backend._check_placement
+
+    def spy(placements):
+        seen[get_communicator().rank] = placements
+        return check(placements)
+
+    gather = ThreadsCommunicator._allgather_object
+
+    def named_gather(self, obj):
+        names.append(str(self._call))  # what a timeout of the inner communicator would name
+        return gather(self, obj)
+
+    monkeypatch.setattr(nccl_backend, "_check_placement", spy)
+    monkeypatch.setattr(ThreadsCommunicator, "_allgather_object", named_gather)
+
+    def body(rank):
+        nccl_backend.NcclCommunicator(timeout=30, stall_warning=0).release()
+
+    _run(2, body)
+    uid = seen[0][0]["uid"]
+    assert isinstance(uid, tuple) and len(uid) == 128
+    want = [{"local_rank": r, "local_size": 2, "visible": "unset", "uid_given": False, "uid": uid if r == 0 else None,
+             "device": r, "count": 4, "host": nccl_backend._host_id(), "bus_id": _BUS_IDS[r]} for r in range(2)]
+    assert seen == {0: want, 1: want}  # only rank 0 made a unique id (each one starts NCCL's bootstrap root)
+    assert names == ["nccl init (unique id, GPU placement) #-1()"] * 2
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int8", "uint8", "int32", "uint32", "int64",
+                                   "uint64"])
+def test_every_nccl_dtype_and_op_reduces_as_numpy_does(fakes, dtype):
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=30, stall_warning=0)
+        try:
+            x = _dev(np.array([1, 2, 3, 4, 5, 6]) * (rank + 1) % 7)
+            x = x.astype(dtype)
+            return {op: comm.allreduce(x, op).get() for op in ("sum", "max", "min", "prod")}
+        finally:
+            comm.release()
+
+    a, b = (np.array([1, 2, 3, 4, 5, 6]) * (r + 1) % 7 for r in range(2))
+    for out in _run(2, body):
+        for op, fn in {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}.items():
+            assert out[op].dtype == np.dtype(dtype), op
+            np.testing.assert_array_equal(out[op], fn(a, b).astype(dtype), err_msg=op)
+
+
+class _NoData:
+    """Array-like but neither CuPy nor NumPy: a shape, a dtype, no device memory."""
+    shape, dtype, size, ndim = (2,), np.dtype(np.float32), 2, 1
+    flags = types.SimpleNamespace(c_contiguous=True)
+
+
+class _DataWithoutPointer(_NoData):
+    data = b"\0" * 8
+
+
+def test_unsupported_dtypes_and_arrays_are_refused_naming_them(fakes):
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=30, stall_warning=0)
+        try:
+            return [_outcome(lambda: comm.allreduce(_dev(np.ones(2, np.complex64))))] + [
+                _outcome(lambda a=a: comm.allreduce_(a)) for a in (_NoData(), _DataWithoutPointer())]
+        finally:
+            comm.release()
+
+    dtype_error, *array_errors = _run(1, body)[0]
+    assert dtype_error == ("TypeError", "nccl backend: dtype complex64 is not supported; use one of ['float16', "
+                                        "'float32', 'float64', 'int32', 'int64', 'int8', 'uint32', 'uint64', 'uint8']")
+    for kind, cls in zip(array_errors, (_NoData, _DataWithoutPointer)):
+        assert kind == ("TypeError", "nccl backend: allreduce_ takes CuPy arrays (device memory) or NumPy arrays "
+                                     f"(host state, sent over MPI), got {cls.__module__}.{cls.__name__}")
+
+
+def test_iallreduce_runs_on_a_non_blocking_side_stream_that_the_current_stream_then_waits_for(fakes):
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=30, stall_warning=0)
+        try:
+            x = _dev(np.arange(4.0))
+            fakes.cupy.stream_log.clear()
+            request = comm.iallreduce_(x, "sum")
+            started = list(fakes.cupy.stream_log)
+            assert request.wait() is x
+            side = comm._side_stream
+            comm.allreduce_(x)
+            # alltoall of one rank: its block is the whole array
+            return (side.ptr, side.non_blocking, started, list(fakes.cupy.stream_log), list(comm.comm.streams),
+                    x.get(), comm.alltoall(_dev(np.arange(3.0))).get())
+        finally:
+            comm.release()
+
+    side, non_blocking, started, log, streams, x, exchanged = _run(1, body)[0]
+    # a blocking stream would wait for the default stream's kernels: no overlap with backward
+    assert non_blocking is True and side != 0
+    assert started == [("record", 0), ("wait", side, 0),  # the side stream waits for the gradients
+                       ("record", side),  # the watchdog follows the side stream
+                       ("record", side)]  # the end of the reduction
+    assert log[len(started)] == ("wait", 0, side)  # wait(): the current stream waits for the reduction
+    assert streams == [side, 0]  # NCCL ran the iallreduce_ on the side stream, allreduce_ on the current one
+    np.testing.assert_array_equal(x, np.arange(4.0))
+    np.testing.assert_array_equal(exchanged, np.arange(3.0))
+
+
+def test_a_barrier_whose_gpu_work_never_ends_times_out_and_ends_the_job(fakes, capfd):
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=0.2, stall_warning=0)
+        comm.barrier()  # the GPU work before it is done: it returns, and nothing ends
+        assert fakes.aborts == [] and capfd.readouterr().err == ""
+        fakes.gpus.idle = False
+        try:
+            comm.barrier()  # the abort is recorded, not done: the barrier goes on
+            return comm.comm.aborted
+        finally:
+            fakes.gpus.idle = True
+            comm.release()
+
+    assert _run(1, body) == [True]
+    assert fakes.aborts == [1]
+    assert re.fullmatch(r"minidl_parallel: rank 0 of 1 \(nccl backend\): barrier #1\(\) timed out after 0\.\d s; "
+                        r"ranks that have not arrived: unknown; aborting NCCL and the MPI job \(timeout 0\.2 s\)\n",
+                        capfd.readouterr().err)
+
+
+def test_over_a_host_communicator_takes_the_given_device_settings_and_unique_id(fakes, monkeypatch):
+    released = []
+    monkeypatch.setattr(ThreadsCommunicator, "release", lambda self: released.append(self))
+    uid = fakes.nccl.get_unique_id()
+    others = [fakes.nccl.get_unique_id(), fakes.nccl.get_unique_id()]
+
+    def body(rank):
+        host = get_communicator()
+        comm = nccl_backend.NcclCommunicator.over(host, device=3 - rank, debug=1, timeout=9, stall_warning=2,
+                                                  unique_id=uid)
+        try:
+            total = comm.allreduce(_dev(np.array([rank + 1.0])), "sum").get()
+            settings = (comm.device, comm.debug, comm.timeout, comm.stall_warning)
+        finally:
+            comm.release()
+        refused = _outcome(lambda: nccl_backend.NcclCommunicator.over(host, unique_id=others[rank]))
+        return settings, total, refused
+
+    for rank, (settings, total, refused) in enumerate(_run(2, body)):
+        assert settings == (3 - rank, 1, 9.0, 2.0)
+        np.testing.assert_array_equal(total, [3.0])
+        assert refused[0] == "RuntimeError" and "rank(s) [1] differ from rank 0's" in refused[1]
+    assert released == [], "release() closed the caller's host communicator"
+
+
+def test_release_frees_everything_then_raises_the_failure_of_a_sub_communicator(fakes):
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=30, stall_warning=0)
+        sub = comm.split([0, 1])
+
+        def fail():
+            sub.comm.destroy()
+            raise OSError(f"rank {rank}: the sub-communicator could not be freed")
+        sub.release = fail
+        nccl_comm = comm.comm
+        outcome = _outcome(comm.release)
+        return outcome, comm.comm, nccl_comm.destroyed
+
+    for rank, (outcome, left, destroyed) in enumerate(_run(2, body)):
+        assert outcome == ("OSError", f"rank {rank}: the sub-communicator could not be freed")
+        assert left is None and destroyed  # the parent was freed before the failure was raised
+
+
+# ---- the device choice and the machine's identity (pure functions) ------------------------------
+
+def _cupy_seeing(count):
+    def get_count():
+        if isinstance(count, Exception):
+            raise count
+        return count
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=get_count)))
+
+
+def test_choose_device_names_what_cuda_sees(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert nccl_backend._choose_device(_cupy_seeing(2), None, 3) == (1, 2)  # the local rank modulo the count
+    assert nccl_backend._choose_device(_cupy_seeing(2), 1, 0) == (1, 2)
+    with pytest.raises(ValueError) as bad:
+        nccl_backend._choose_device(_cupy_seeing(2), True, 0)  # a bool is no device number
+    assert str(bad.value) == ("device must be an int in [0, 1] (this process sees 2 CUDA device(s), "
+                              "CUDA_VISIBLE_DEVICES '2,3'), got True")
+    with pytest.raises(RuntimeError) as none:
+        nccl_backend._choose_device(_cupy_seeing(0), None, 0)
+    assert str(none.value) == "CUDA sees no GPU (getDeviceCount() is 0; CUDA_VISIBLE_DEVICES '2,3')"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(RuntimeError) as failed:
+        nccl_backend._choose_device(_cupy_seeing(_CudaError("cudaErrorInsufficientDriver")), None, 0)
+    assert str(failed.value) == ("CUDA sees no usable GPU (CUDA_VISIBLE_DEVICES unset): _CudaError: "
+                                 "cudaErrorInsufficientDriver")
+
+
+def test_the_host_id_is_nccl_hostid_else_the_hostname_and_boot_id(monkeypatch, tmp_path):
+    import builtins
+    import socket
+    monkeypatch.setenv("NCCL_HOSTID", "node-7")
+    assert nccl_backend._host_id() == "node-7"
+    monkeypatch.delenv("NCCL_HOSTID")
+    boot = tmp_path / "boot_id"
+    real_open = builtins.open
+
+    def fake_open(path, *args, **kwargs):
+        if path == "/proc/sys/kernel/random/boot_id":
+            return real_open(boot, *args, **kwargs)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    for text, want in (("1b2c-3d\n", "1b2c-3d"), ("", "")):
+        boot.write_text(text)
+        assert nccl_backend._host_id() == socket.gethostname() + want
+    boot.unlink()  # no boot id (not Linux): the hostname alone
+    assert nccl_backend._host_id() == socket.gethostname()
+
+
+def test_without_cupy_the_nccl_backend_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(ImportError) as missing:
+        nccl_backend.import_nccl()
+    assert str(missing.value).startswith("the nccl backend needs CuPy with NCCL: pip install 'minidl[gpu]' "
+                                         "(cupy-cuda12x + nvidia-nccl-cu12) (")

@@ -1,6 +1,7 @@
 """The nccl backend's watchdog, with stand-ins for CuPy's CUDA events and NCCL communicator (no
 GPU here): a collective whose event never completes is warned about, then ends the job naming
 it; an asynchronous NCCL error ends the job at once; completed collectives leave the queue."""
+import re
 import threading
 import time
 
@@ -52,8 +53,16 @@ class _NcclComm:
 
 
 class _InnerMpi:
+    """The inner mpi communicator: records the calls the watchdog answers the peers with."""
+
+    def __init__(self):
+        self.served = []
+
     def _serve_peers(self, call):
-        pass
+        self.served.append(call)
+
+    def _missing_ranks(self, call):
+        return [1], f"; rank 1 was asked about {call}"
 
 
 def _communicator(done, error=None, timeout=0.4, stall_warning=0.1):
@@ -129,3 +138,102 @@ def test_stop_watchdogs_ends_the_threads_before_mpi_finalizes():
 def _watchdogs_may_run():
     nccl_backend._stopping.clear()
     yield
+
+
+def _stalled(capfd, timeout, stall_warning, polled=None):
+    """Runs one collective that never completes until the watchdog ends the job; (comm, stderr lines)."""
+    comm = _communicator(done=False, timeout=timeout, stall_warning=stall_warning)
+    if polled is not None:
+        comm._mpi._polled = polled
+    comm._call = CallInfo("allreduce", 3, (2,), "float32")
+    comm._follow()
+    assert comm.ended.wait(5), "the watchdog did not end the job"
+    return comm, capfd.readouterr().err.splitlines()
+
+
+def test_the_stall_warning_is_written_once_per_call(capfd):
+    comm, lines = _stalled(capfd, timeout=0.4, stall_warning=0.05)
+    assert len(lines) == 1 and re.fullmatch(
+        r"minidl_parallel: rank 0 of 2 \(nccl backend\): allreduce #3\(shape=\(2,\), dtype=float32\) has waited "
+        r"0\.\d s; ranks that have not arrived: unknown", lines[0]), lines
+    assert re.fullmatch(r"minidl_parallel: rank 0 of 2 \(nccl backend\): allreduce #3\(shape=\(2,\), dtype=float32\) "
+                        r"timed out after 0\.\d s; ranks that have not arrived: unknown; aborting NCCL and the MPI "
+                        r"job \(timeout 0\.4 s\)", comm.end_message)
+
+
+def test_no_stall_warning_when_it_is_off(capfd):
+    comm, lines = _stalled(capfd, timeout=0.2, stall_warning=0)
+    assert lines == [] and "timed out after" in comm.end_message
+
+
+def test_the_watchdog_answers_the_peers_unless_mpi_is_below_thread_multiple(capfd):
+    comm, _ = _stalled(capfd, timeout=0.2, stall_warning=0)
+    assert comm._mpi.served and all(str(c) == "allreduce #3(shape=(2,), dtype=float32)" for c in comm._mpi.served)
+    # below MPI_THREAD_MULTIPLE only the main thread may call MPI
+    comm, _ = _stalled(capfd, timeout=0.2, stall_warning=0, polled=True)
+    assert comm._mpi.served == []
+
+
+def test_with_the_watch_channel_the_timeout_names_the_missing_ranks(capfd, monkeypatch):
+    monkeypatch.setattr(nccl_backend, "watch", lambda: object())  # made by init's world communicator
+    comm, _ = _stalled(capfd, timeout=0.2, stall_warning=0)
+    assert "ranks that have not arrived: [1]; rank 1 was asked about allreduce #3(shape=(2,), dtype=float32); " \
+           "aborting NCCL" in comm.end_message
+
+
+def test_completed_collectives_leave_the_queue_all_at_once():
+    """A training step enqueues dozens of collectives between two turns of the watchdog."""
+    comm = _communicator(done=True, timeout=60, stall_warning=0)
+    comm._call = CallInfo("allreduce", 0, (2,), "float32")
+    for _ in range(200):
+        comm._pending.append((_Event(True), comm._call, time.monotonic()))
+    comm._follow()
+    deadline = time.monotonic() + 0.3  # a turn is 10 ms; one event a turn would take 2 s
+    while comm._pending and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not comm._pending
+    comm.comm = None  # stops the watchdog
+
+
+def test_the_exit_hook_is_registered_once_and_stopping_waits_at_most_wait_s(monkeypatch):
+    registered = []
+    monkeypatch.setattr(nccl_backend, "_watchdogs", [])
+    monkeypatch.setattr(nccl_backend.atexit, "register", registered.append)
+    comms = [_communicator(done=False, timeout=60, stall_warning=0) for _ in range(2)]
+    for comm in comms:
+        comm._call = CallInfo("allreduce", 0, (2,), "float32")
+        comm._follow()  # from the main thread: the watchdog must still be a daemon, never holding up the exit
+        assert registered == [nccl_backend.stop_watchdogs] and comm._watchdog.daemon
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, args=(10.0,), daemon=True)  # a watchdog stuck in a survey
+    nccl_backend._watchdogs.append(stuck)
+    stuck.start()
+    try:
+        start = time.monotonic()
+        nccl_backend.stop_watchdogs(wait_s=0.2)
+        assert time.monotonic() - start < 2.0
+        assert not any(comm._watchdog.is_alive() for comm in comms) and stuck.is_alive()
+    finally:
+        release.set()
+        stuck.join(5.0)
+        nccl_backend._stopping.clear()
+
+
+def test_release_waits_for_the_watchdog_at_most_the_join_bound(monkeypatch):
+    monkeypatch.setattr(nccl_backend, "_WATCHDOG_JOIN_S", 0.2)
+    comm = _communicator(done=False, timeout=60, stall_warning=0)
+    entered, release = threading.Event(), threading.Event()
+    comm._mpi._serve_peers = lambda call: (entered.set(), release.wait(10.0))  # stuck in a survey
+    comm._call = CallInfo("allreduce", 0, (2,), "float32")
+    comm._follow()
+    dog = comm._watchdog
+    try:
+        assert entered.wait(5)
+        start = time.monotonic()
+        comm._stop_watchdog()
+        assert time.monotonic() - start < 2.0
+        assert comm._watchdog is None and dog not in nccl_backend._watchdogs
+    finally:
+        release.set()
+        comm.comm = None
+        dog.join(5.0)

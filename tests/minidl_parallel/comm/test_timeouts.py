@@ -424,7 +424,112 @@ def test_the_watchdog_survives_a_failure_of_its_own_and_still_times_out(capfd):
     finally:
         dog.stop()
     assert comm.events == ["failed", ("timeout", "barrier #0")]
-    assert "the collective watchdog failed (it goes on checking)" in capfd.readouterr().err
+    assert "minidl_parallel: the collective watchdog failed (it goes on checking):\nTraceback (most recent call " \
+           "last)" in capfd.readouterr().err
+
+
+class _Recorder(_StandIn):
+    """A stand-in that records what the watchdog passes: the call served, the wait, where it waits."""
+
+    def _serve_peers(self, call):
+        self.events.append(("serve", call))
+
+    def _on_stall(self, call, waited, where=None):
+        self.events.append(("stall", call, waited, where))
+
+    def _on_timeout(self, call, waited):
+        self.events.append(("timeout", call, waited))
+        self.done.set()
+
+
+def test_the_watchdog_passes_the_call_its_wait_and_the_waiting_line():
+    """The stall warning names the line the rank waits at (the waiting thread's frame), and a
+    call that ends at once beside a long one does not hide the long one."""
+    from minidl_parallel.comm.mpi import Watchdog
+    comm, quick = _Recorder(timeout=0.4, stall_warning=0.1), _Recorder(timeout=0.01, stall_warning=0.01)
+    waiting, leave = [], []
+
+    def wait_in_a_collective():
+        waiting.append(threading.get_ident())
+        while not leave:
+            time.sleep(0.001)  # the waiting line
+
+    thread = threading.Thread(target=wait_in_a_collective, daemon=True)
+    thread.start()
+    dog = Watchdog()
+    try:
+        while not waiting:
+            time.sleep(0.001)
+        dog.inflight[-1] = (quick, "allreduce #0", time.monotonic() + 3600)  # first in order: never long
+        dog.inflight[waiting[0]] = (comm, "allreduce #7", time.monotonic())
+        assert comm.done.wait(5.0), comm.events
+    finally:
+        leave.append(True)
+        dog.stop()
+        thread.join(5.0)
+    assert quick.events == []
+    assert comm.events[0] == ("serve", "allreduce #7")
+    stall = next(e for e in comm.events if e[0] == "stall")
+    timeout = next(e for e in comm.events if e[0] == "timeout")
+    assert stall[:2] == ("stall", "allreduce #7") and 0.1 <= stall[2] < 0.4
+    first = wait_in_a_collective.__code__.co_firstlineno
+    assert stall[3] in [(__file__, first + 2), (__file__, first + 3)], stall  # the loop, mostly its sleep
+    assert timeout[:2] == ("timeout", "allreduce #7") and timeout[2] >= 0.4
+
+
+class _Side:
+    """The watch channel as the watchdog uses it: records the states it answers with."""
+
+    def __init__(self):
+        self.states = []
+
+    def serve(self, state=None):
+        self.states.append(state)
+
+
+def test_the_watchdog_answers_outside_any_collective_with_the_latest_call(monkeypatch):
+    from minidl_parallel.comm import mpi as backend
+    side = _Side()
+    monkeypatch.setitem(backend._watch, "watch", side)
+    dog = backend.Watchdog()
+    try:
+        assert dog._thread.name == "minidl-mpi-watchdog" and dog._thread.daemon  # never holds up the exit
+        deadline = time.monotonic() + 5.0
+        while not side.states and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert side.states and side.states[0] == ("outside", None, None)  # no collective yet
+        dog.latest = (None, "barrier #4()", time.monotonic() - 2.0)
+        count = len(side.states)
+        while len(side.states) <= count + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        dog.stop()
+    assert not dog._thread.is_alive()
+    kind, latest, ago = side.states[-1]
+    assert (kind, latest) == ("outside", "barrier #4()") and 2.0 <= ago < 4.0
+
+
+def test_stopping_the_watchdog_waits_at_most_wait_s_for_it():
+    """A watchdog stuck in a check (a survey waits up to 1 s) must not hold up the exit."""
+    from minidl_parallel.comm.mpi import Watchdog
+    release = threading.Event()
+
+    class Stuck(_StandIn):
+        def _serve_peers(self, call):
+            self.done.set()
+            release.wait(10.0)
+
+    comm = Stuck(timeout=0, stall_warning=0)
+    dog = Watchdog()
+    try:
+        dog.inflight[1] = (comm, "barrier #0", time.monotonic())
+        assert comm.done.wait(5.0)
+        start = time.monotonic()
+        dog.stop(wait_s=0.2)
+        assert time.monotonic() - start < 2.0 and dog._thread.is_alive()
+    finally:
+        release.set()
+        dog._thread.join(5.0)
 
 
 @pytest.mark.parametrize("status, code", [(3, 3), (255, 255), (256, 1), (-1, 1), (512, 1)])

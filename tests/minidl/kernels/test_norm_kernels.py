@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, strategies as st
 
-from minidl import kernels, ops, Tensor
+from minidl import _intra_op as intra_op, kernels, ops, Tensor
 from minidl.kernels.cpu import norm as norm_kernels
 from minidl.kernels.cpu.norm import BatchNormBlocked, BatchNormReLUBlocked
 from minidl.testing import check_op
@@ -161,7 +161,8 @@ def test_float32_statistics_of_a_large_offset(op):
     kernels' shifted sums keep it to float32 accuracy, and the outputs and gradients to the size of
     x's own rounding (eps * 1000 / 1)."""
     x = (1000.0 + np.random.default_rng(1).standard_normal((32, 4, 8, 8))).astype(np.float32)
-    got, want, used = run_float32_and_float64(op, x, batchnorm_block_bytes=2048)
+    # Three samples per block: the last block of each pass is a short one (32 = 10 * 3 + 2).
+    got, want, used = run_float32_and_float64(op, x, batchnorm_block_bytes=3 * 1024)
     assert used == {op.__name__ + "Blocked"}
     for name, a, b in zip(["y", "gx", "gscale", "gbias"], got, want):
         assert max_error(a, b) < 2e-3 * 2e-2, name  # 6e-5 * 1000 relative to values of ~1-10
@@ -169,14 +170,17 @@ def test_float32_statistics_of_a_large_offset(op):
     np.testing.assert_allclose(got[5], want[5], rtol=1e-5, err_msg="running variance")
 
 
-@pytest.mark.parametrize("offset, passes", [(1.0, 1), (2.4, 1), (3.0, 2), (1000.0, 2)])
+@pytest.mark.parametrize("offset, deviation, passes", [(1.0, 1.0, 1), (2.4, 1.0, 1), (3.0, 1.0, 2), (1000.0, 1.0, 2),
+                                                       (1.5, 0.1, 2)])
 @pytest.mark.parametrize("shape, data_format", [((64, 16, 16, 16), "NCHW"), ((64, 8, 8, 16), "NHWC"),
                                                 ((4096, 16), "NCHW")])
-def test_a_channel_far_from_zero_is_summed_again_about_its_mean(monkeypatch, offset, passes, shape, data_format):
+def test_a_channel_far_from_zero_is_summed_again_about_its_mean(monkeypatch, offset, deviation, passes, shape,
+                                                                data_format):
     """Sums of x and x^2 serve while mean^2 + var <= 8 var (offset 2.4, deviation 1: 6.8); beyond
     (3: 10), x is summed again about the mean found. Either way the statistics and every output
-    are as close to float64 as the reference body's."""
-    x = (offset + np.random.default_rng(3).standard_normal(shape)).astype(np.float32)
+    are as close to float64 as the reference body's (the backward's sums too: centred beyond
+    mean^2 + var = 4 var, which a small deviation about a small mean (1.5, 0.1: 226) is)."""
+    x = (offset + deviation * np.random.default_rng(3).standard_normal(shape)).astype(np.float32)
     calls = []
     real = norm_kernels._moments
     # A spy that only counts (it changes nothing): how many passes the statistics took.
@@ -264,3 +268,162 @@ def test_small_inputs_and_inference_take_the_reference():
         ops.BatchNormReLU(True)(large, *vectors, *stats())
         ops.BatchNormReLU(False)(large, *vectors, *stats())
     assert {k.name for k in used} == {"BatchNormBlocked", "BatchNormReLUBlocked"}
+
+
+@pytest.mark.parametrize("op, training, needs", [
+    (ops.BatchNorm, True, (True, True, True)), (ops.BatchNorm, True, (False, True, False)),
+    (ops.BatchNorm, True, (True, False, True)), (ops.BatchNormReLU, True, (True, True, True, False)),
+    (ops.BatchNormReLU, True, (False, False, True, True)), (ops.BatchNormReLU, False, (True, True, False, True))])
+def test_seams_and_gradients_are_the_references(monkeypatch, op, training, needs):
+    """What a subclass or the autograd engine sees is the reference's: sum_over_batch gets the same
+    vectors (float32 here, even where x needs no gradient), and backward returns a gradient of the
+    input's dtype and shape exactly where an input needs one (None elsewhere, one per input)."""
+    rng = np.random.default_rng(6)
+    x, gy, res = (rng.normal(1.0, 2.0, (8, 4, 6, 6)).astype(np.float32) for _ in range(3))
+    scale, bias = rng.uniform(0.5, 2.0, 4).astype(np.float32), rng.normal(size=4).astype(np.float32)
+    log = []
+    describe = lambda a: None if a is None else (str(a.dtype), tuple(a.shape))
+
+    def logged(fn):  # a spy: records what the seam or backward got or returned, changes nothing
+        def wrapper(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            log.append(describe(args[-1]) if fn is real_sum else [describe(g) for g in out])
+            return out
+        return wrapper
+
+    real_sum = ops.BatchNorm.sum_over_batch
+    monkeypatch.setattr(ops.BatchNorm, "sum_over_batch", logged(real_sum))
+    monkeypatch.setattr(op, "backward", logged(op.backward))  # the reference's
+    monkeypatch.setattr(norm_kernels, "_backward", logged(norm_kernels._backward))
+
+    def run():
+        log.clear()
+        inputs = [Tensor(a, requires_grad=need) for a, need in zip((x, scale, bias, res), needs)]
+        stats = [Tensor(np.zeros(4, np.float32)), Tensor(np.ones(4, np.float32))]
+        y = op(training)(*inputs[:3], *stats, *inputs[3:])
+        y.backward(Tensor(gy))
+        return list(log)
+
+    with settings(batchnorm_min_bytes=0), kernels.tracking() as used:
+        got = run()
+    assert {k.name for k in used} == {op.__name__ + "Blocked"}
+    with kernels.reference_only():
+        want = run()
+    assert got == want
+    *seams, grads = want
+    assert [g is not None for g in grads] == list(needs[:3]) + [False, False] + list(needs[3:])
+    assert seams == ([("float32", (5,)), ("float32", (4,)), ("float32", (8,))] if training else [])
+
+
+def test_residual_is_checked_against_x():
+    x = np.ones((8, 4, 6, 6), np.float32)
+    vectors = [Tensor(np.ones(4, np.float32)) for _ in range(4)]
+    with settings(batchnorm_min_bytes=0):
+        with pytest.raises(ValueError, match=r"residual of shape \(8, 4, 6\) and dtype float32 must match x: "
+                                             r"shape \(8, 4, 6, 6\), dtype float32"):
+            ops.BatchNormReLU(True)(Tensor(x), *vectors, Tensor(np.ones((8, 4, 6), np.float32)))
+        with pytest.raises(ValueError, match=r"residual of shape \(8, 4, 6, 6\) and dtype float64 must match x"):
+            ops.BatchNormReLU(False)(Tensor(x), *vectors, Tensor(np.ones(x.shape)))
+
+
+def test_inputs_of_at_least_batchnorm_min_bytes_take_the_kernel():
+    """The option's threshold is inclusive, and any non-empty input may take the kernel (in inference
+    one value is a batch); an empty one takes the reference."""
+    def used_on(x, least):
+        vectors = [Tensor(np.ones(x.shape[1], np.float32)) for _ in range(4)]
+        with settings(batchnorm_min_bytes=least), kernels.tracking() as used:
+            ops.BatchNormReLU(False)(Tensor(x), *vectors)
+        return {k.name for k in used}
+
+    x = np.ones((8, 4, 6, 6), np.float32)
+    assert used_on(x, x.nbytes) == {"BatchNormReLUBlocked"}
+    assert used_on(x, x.nbytes + 1) == set()
+    assert used_on(np.ones((1, 1), np.float32), 0) == {"BatchNormReLUBlocked"}
+    assert used_on(np.ones((0, 4), np.float32), 0) == set()
+
+
+@pytest.fixture
+def two_threads():
+    before = intra_op.get_num_threads()
+    intra_op.set_num_threads(2)
+    try:
+        if intra_op.get_num_threads() != 2:
+            pytest.skip("no thread-local BLAS thread count here: the ops stay serial")
+        yield
+    finally:
+        intra_op.set_num_threads(before)
+
+
+def test_the_options_shape_the_passes(monkeypatch, two_threads):
+    """batchnorm_parallel_bytes (inclusive) splits the batch over the threads, one sample each at
+    least; batchnorm_block_bytes sets the samples per block, by default (None) a quarter of the L2
+    on one thread and half of it per thread on several."""
+    x = np.ones((16, 4, 32), np.float32)  # 512 bytes per sample
+    with settings(batchnorm_numba=False, batchnorm_block_bytes=None):
+        with settings(batchnorm_parallel_bytes=x.nbytes):
+            assert len(norm_kernels._Passes(x, 1).spans) == 2
+        with settings(batchnorm_parallel_bytes=x.nbytes + 1):
+            assert len(norm_kernels._Passes(x, 1).spans) == 1
+        with settings(batchnorm_parallel_bytes=0):
+            assert len(norm_kernels._Passes(x[:1], 1).spans) == 1  # one sample: one thread
+            assert len(norm_kernels._Passes(x[:, :1], 1).spans) == 2  # threads by samples, not channels
+        monkeypatch.setattr(intra_op, "l2_bytes", lambda: 8 * 512)
+        with settings(batchnorm_parallel_bytes=x.nbytes + 1):
+            assert norm_kernels._Passes(x, 1).rows == 2
+        with settings(batchnorm_parallel_bytes=0):
+            assert norm_kernels._Passes(x, 1).rows == 4
+    with settings(batchnorm_numba=False, batchnorm_block_bytes=3 * 512):
+        assert norm_kernels._Passes(x, 1).rows == 3
+    with settings(batchnorm_numba=False, batchnorm_block_bytes=1):
+        assert norm_kernels._Passes(x, 1).rows == 1
+
+
+def test_the_compiled_passes_run_where_asked(monkeypatch, pass_bodies):
+    """batchnorm_numba: every pass of a training step through the loops Numba compiles, or none."""
+    calls = []
+    for name in ("moments", "affine", "grad_sums", "grad_apply"):
+        real = getattr(norm_kernels.norm_loops, name)
+        monkeypatch.setattr(norm_kernels.norm_loops, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    x = Tensor(np.random.default_rng(8).standard_normal((8, 4, 6, 6)).astype(np.float32), requires_grad=True)
+    vectors = [Tensor(a, requires_grad=True) for a in (np.ones(4, np.float32), np.zeros(4, np.float32))]
+    with settings(batchnorm_min_bytes=0):
+        y = ops.BatchNorm(True)(x, *vectors, Tensor(np.zeros(4, np.float32)), Tensor(np.ones(4, np.float32)))
+        y.backward(Tensor(np.ones(x.shape, np.float32)))
+    assert sorted(set(calls)) == (["affine", "grad_apply", "grad_sums", "moments"] if pass_bodies else [])
+
+
+def test_the_differential_cases_are_the_documented_draws():
+    """batchnorm_cases (the differential cases of these kernels and of SyncBatchNormOp's): the documented
+    shapes, dtypes and distributions, the same on every call, each case's primitive in its mode
+    (epsilon 1e-5) with the residual where there is one, and a factory's primitive where one is given."""
+    f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
+    bn, relu = BatchNormBlocked().cases(), BatchNormReLUBlocked().cases()
+    again = BatchNormBlocked().cases() + BatchNormReLUBlocked().cases()
+    draws = [((64, 16, 32, 32), f32, 1.0, 2.0), ((4096, 16), f64, 1.0, 2.0), ((64, 32, 16, 16), f32, 4.0, 1.0)]
+    want = [(d, 3, True) for d in draws]
+    want += [(d, 4, training) for d in draws[:2] for training in (True, False)]
+    want += [(((64, 16, 16, 16), f32, 1.0, 2.0), 3, training) for training in (True, False)]
+    assert len(bn + relu) == len(want)
+    for i, ((make, arrays), (_, same), ((shape, dtype, loc, spread), inputs, training)) in enumerate(
+            zip(bn + relu, again, want)):
+        x = arrays[0]
+        assert (x.shape, len(arrays)) == (shape, inputs) and all(a.dtype == dtype for a in arrays)
+        assert all(np.array_equal(a, b) for a, b in zip(arrays, same))  # fresh from seed 0 each time
+        assert abs(float(x.mean()) - loc) < 0.05 and abs(float(x.std()) / spread - 1) < 0.01
+        with kernels.reference_only():
+            y = make()(*arrays)
+        axes = tuple(i for i in range(x.ndim) if i != 1)
+        pre = (x - x.mean(axis=axes, keepdims=True)) / np.sqrt(x.var(axis=axes, keepdims=True) + 1e-5)
+        pre = pre * arrays[1].reshape((1, -1) + (1,) * (x.ndim - 2)) + arrays[2].reshape((1, -1) + (1,) * (x.ndim - 2))
+        pre = pre + arrays[3] if inputs == 4 else pre
+        batch_stats = np.maximum(pre, 0) if i >= len(bn) else pre
+        assert np.allclose(y.asnumpy(), batch_stats, rtol=1e-3, atol=1e-3) == training
+    made = []
+    (make, arrays), = norm_kernels.batchnorm_cases(
+        ops.BatchNorm, with_residual=False, modes=(True,), shapes=[(8, 2, 3)],
+        factory=lambda training: made.append(training) or ops.BatchNorm(training, 0.5))
+    y = make()(*arrays).asnumpy()
+    x = arrays[0]
+    assert made == [True]
+    want = (x - x.mean(axis=(0, 2), keepdims=True)) / np.sqrt(x.var(axis=(0, 2), keepdims=True) + 0.5)
+    np.testing.assert_allclose(y, want * arrays[1][:, None] + arrays[2][:, None], rtol=1e-5, atol=1e-5)

@@ -47,7 +47,7 @@ def test_the_numpy_kernels_cases_run_in_each_float_dtype_they_take():
     # The differential test runs a case in its first array's dtype; float32 and float64 differ in
     # their bounds and in the BLAS call, so the cases hold each kernel to both.
     for k in ALL:
-        if k.backend == "numpy":
+        if k.backend == "numpy" and type(k).__module__.startswith("minidl."):  # (not a test's own kernel)
             want = {"float32"} if k.name == "Conv2DOneDNN" else {"float32", "float64"}  # oneDNN's: float32 only
             assert {str(np.asarray(arrays[0]).dtype) for _, arrays in k.cases()} == want, k.name
 

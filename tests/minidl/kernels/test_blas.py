@@ -47,7 +47,7 @@ def test_installed_says_whether_each_library_is_there():
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_a_fresh_load_binds_both_gemms_that_compute_the_product(fresh_blas, name, dtype):
     if not blas.installed(name):
-        pytest.skip(f"{name} is not installed")
+        pytest.skip(f"{name} is not installed: pip install -e '.[{name}]'")  # (openblas comes with NumPy)
     fns = fresh_blas.load(name)
     assert sorted(fns) == ["d", "f"]
     rng = np.random.default_rng(0)

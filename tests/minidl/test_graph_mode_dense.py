@@ -610,7 +610,8 @@ def test_sharded_or_raw_inputs_are_not_deferred():
         x, w, b = data((4, 5)), sharded(Parameter(data((3, 5), 1).data, name="w")), data((3,), 2)
         fc = nn.Dense(5, 3)
         fc.weight = w
-        outs = [ops.relu(ops.bias_add(matmul(x, w), b)), ops.relu(dense(x, w, b)), nn.SequentialCell([fc, nn.ReLU()])(x)]
+        outs = [ops.relu(ops.bias_add(matmul(x, w), b)), ops.relu(dense(x, w, b)),
+                nn.SequentialCell([fc, nn.ReLU()])(x)]
         w = data((3, 5), 1)
         outs += [ops.relu(ops.bias_add(matmul(x.asnumpy(), w), b)), ops.relu(dense(x.asnumpy(), w, b))]
         return [(out.asnumpy(), node_names(out)) for out in outs]

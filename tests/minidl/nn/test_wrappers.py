@@ -11,7 +11,8 @@ from minidl.train import Model
 def blobs(n, seed=0):
     rng = np.random.default_rng(seed)
     y = rng.integers(0, 3, n)
-    return (3.0 * rng.standard_normal((3, 4))[y] + 0.5 * rng.standard_normal((n, 4))).astype(np.float32), y.astype(np.int32)
+    x = 3.0 * rng.standard_normal((3, 4))[y] + 0.5 * rng.standard_normal((n, 4))
+    return x.astype(np.float32), y.astype(np.int32)
 
 
 def mlp():

@@ -199,7 +199,8 @@ def test_loss_monitor_rank0_only_asks_the_runtime_for_the_rank(capsys):
         _const_model(1.5).train(1, _small_ds(8, 4), callbacks=LossMonitor(rank0_only=True))
         assert capsys.readouterr().out == ""
         _const_model(1.5).train(1, _small_ds(8, 4), callbacks=LossMonitor())  # every rank prints by default
-        assert capsys.readouterr().out == "[rank 1] epoch: 1 step: 1, loss is 1.5\n[rank 1] epoch: 1 step: 2, loss is 1.5\n"
+        assert capsys.readouterr().out == ("[rank 1] epoch: 1 step: 1, loss is 1.5\n"
+                                           "[rank 1] epoch: 1 step: 2, loss is 1.5\n")
     with Rank(0):
         _const_model(1.5).train(1, _small_ds(8, 4), callbacks=LossMonitor(rank0_only=True))
         assert capsys.readouterr().out.count("loss is 1.5") == 2

@@ -61,6 +61,7 @@ def test_k_accumulated_passes_equal_one_device_on_the_k_times_larger_batch(n, k,
             np.testing.assert_allclose(got[name], value, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
+@pytest.mark.cpu_only  # (the caller's gradients include raw NumPy arrays: host data)
 def test_accumulation_leaves_the_callers_gradients_unchanged():
     """The reducer sums into its own buffer: the arrays a caller passed (here still held, as a
     caller logging them would) keep their values through later passes, and each reduction is

@@ -41,6 +41,9 @@ TARGETS = {
              ["tests/minidl_parallel/comm", "tests/minidl_parallel/test_collectives.py"]),
     "comm_backends": (["minidl_parallel/comm/mpi.py", "minidl_parallel/comm/nccl.py"], ["tests/minidl_parallel/comm"]),
     "io": (["minidl/io"], ["tests/minidl/io"]),
+    "wrappers": (["minidl/nn/wrappers.py"], ["tests/minidl/nn/test_wrappers.py"]),
+    "mnist": (["minidl/dataset/mnist.py"], ["tests/minidl/dataset/test_mnist.py"]),
+    "callbacks": (["minidl/train/callbacks.py"], ["tests/minidl/train/test_callbacks.py"]),
     "graph_mode": (["minidl/graph_mode.py"],
                    ["tests/minidl/test_graph_mode.py", "tests/minidl/test_graph_mode_dense.py"]),
     # minidl/kernels in parts, each within 30 minutes on 2 cores (the whole of cpu/ is 5,500 mutants)

@@ -221,3 +221,23 @@ def test_all_without_any_pair_or_with_half_a_pair(tmp_path):
     # MindSpore raises too (as many image files as label files); here the missing file is named.
     with pytest.raises(FileNotFoundError, match=r"MnistDataset: missing t10k-labels-idx1-ubyte \(or .gz\)"):
         load_mnist(tmp_path, "all")
+
+
+def test_mnist_dataset_passes_its_arguments_to_the_source(mnist_dir, tmp_path):
+    """num_samples, seed, shard_mode and the folder reach the dataset (MindSpore's arguments)."""
+    from minidl.dataset import MnistDataset
+    folder, data = mnist_dir
+    ds = MnistDataset(folder, usage="test", num_samples=7, shuffle=False)
+    assert ds.get_dataset_size() == 7 and ds.dataset_dir == str(folder) and ds.usage == "test"
+    assert ds.get_col_names() == ["image", "label"]
+
+    def labels(seed):
+        ds = MnistDataset(folder, usage="test", shuffle=True, seed=seed)
+        return [int(r[1]) for r in ds.create_tuple_iterator(num_epochs=1, output_numpy=True)]
+
+    assert labels(1) == labels(1) != labels(2)  # the seed given, not the global one, orders the rows
+    exact = MnistDataset(folder, usage="test", shuffle=False, num_shards=7, shard_id=6, shard_mode="exact")
+    assert exact.shard_mode == "exact" and exact.get_dataset_size() == 17  # 120 = 7 * 17 + 1: no padding
+    assert MnistDataset(folder, usage="test", shuffle=False, num_shards=7, shard_id=6).get_dataset_size() == 18
+    with pytest.raises(ValueError, match="shard_mode"):
+        MnistDataset(folder, usage="test", num_shards=2, shard_id=0, shard_mode="spread")

@@ -64,3 +64,5 @@ def test_the_wrapper_keeps_the_backbones_names_and_computes_its_loss():
     assert np.array_equal(wrapped(minidl.Tensor(x), minidl.Tensor(y)).asnumpy(), want)
     with pytest.raises(TypeError, match="WithLossCell: loss_fn must be a Cell or a callable, got str"):
         nn.WithLossCell(net, "cross_entropy")
+    with pytest.raises(TypeError, match="WithLossCell: backbone must be a Cell or a callable, got NoneType"):
+        nn.WithLossCell(None, loss)

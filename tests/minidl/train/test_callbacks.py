@@ -261,3 +261,9 @@ def test_monitors_ask_the_rank_when_they_print_not_when_built(capsys):
         with Rank(0):                        # ... prints on rank 0
             _const_model(1.5).train(1, _small_ds(4, 4), callbacks=only0)
     assert capsys.readouterr().out == "epoch: 1 step: 1, loss is 1.5\n"
+
+
+@pytest.mark.parametrize("monitor", [LossMonitor, TimeMonitor])
+def test_rank0_only_must_be_a_bool_named_with_its_monitor(monitor):
+    with pytest.raises(TypeError, match=rf"^{monitor.__name__}: rank0_only must be True or False, got 'yes'$"):
+        monitor(rank0_only="yes")

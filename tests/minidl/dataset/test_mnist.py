@@ -127,6 +127,79 @@ def test_truncated_and_overlong_payloads(tmp_path):
         load_mnist(tmp_path, "test")
 
 
+def test_size_mismatch_counts_the_records_in_the_header_and_in_the_file(tmp_path):
+    # 20 images of 28*28 = 784 bytes; the message ends with the counts a reader compares.
+    images, labels = _random_split(11, 20)
+    payload = _idx_bytes(images, IMAGES_MAGIC)
+    _write(tmp_path / NAMES["test"][1], _idx_bytes(labels, LABELS_MAGIC), False)
+    for cut, held in [(payload[:-100], "19 and 684 bytes of another"),  # 15580 = 19 * 784 + 684
+                      (payload[:-784], "19"),  # cut at an image boundary: only the counts differ
+                      (payload + b"\x00\x01", "20 and 2 bytes of another")]:
+        _write(tmp_path / NAMES["test"][0], cut, False)
+        with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte is .*; the header states 20 images, the file "
+                                             rf"holds {held}$"):
+            load_mnist(tmp_path, "test")
+    _write(tmp_path / NAMES["test"][0], payload, False)
+    _write(tmp_path / NAMES["test"][1], _idx_bytes(labels, LABELS_MAGIC)[:-1], False)
+    with pytest.raises(ValueError, match=r"t10k-labels-idx1-ubyte is truncated: header shape \(20,\) needs 20 bytes "
+                                         r"of data, found 19; the header states 20 labels, the file holds 19$"):
+        load_mnist(tmp_path, "test")
+
+
+def test_headers_with_a_zero_size(tmp_path):
+    # No images at all: the header alone is a whole file, read as empty arrays.
+    _write_split(tmp_path, "test", np.zeros((0, 28, 28), np.uint8), np.zeros(0, np.uint8))
+    images, labels = load_mnist(tmp_path, "test")
+    assert images.shape == (0, 28, 28, 1) and labels.shape == (0,) and labels.dtype == np.int32
+    # Images of 0 rows need no data: 3 bytes are too many, and no image count can be given.
+    _write(tmp_path / NAMES["test"][0], _idx_bytes(np.zeros((5, 0, 28), np.uint8), IMAGES_MAGIC) + b"abc", False)
+    with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte is longer than its header says: header shape "
+                                         r"\(5, 0, 28\) needs 0 bytes of data, found 3; the header states 5 images, "
+                                         r"the file holds \?$"):
+        load_mnist(tmp_path, "test")
+
+
+def test_a_file_holding_only_the_magic_number(tmp_path):
+    path = tmp_path / "labels"
+    path.write_bytes(struct.pack(">I", LABELS_MAGIC))
+    with pytest.raises(ValueError, match=r"MnistDataset: .*labels is truncated: 4 bytes, shorter than its 8-byte "
+                                         r"header"):
+        read_idx(str(path), LABELS_MAGIC)
+    path.write_bytes(struct.pack(">I", LABELS_MAGIC)[:3])
+    with pytest.raises(ValueError, match=r"labels is truncated: 3 bytes, shorter than the 4-byte magic number"):
+        read_idx(str(path), LABELS_MAGIC)
+
+
+def test_bad_magic_in_the_labels_file(tmp_path):
+    images, labels = _random_split(12, 5)
+    _write(tmp_path / NAMES["train"][0], _idx_bytes(images, IMAGES_MAGIC), False)
+    _write(tmp_path / NAMES["train"][1], _idx_bytes(labels[:, None], 0x00000802), True)  # 2-D labels
+    with pytest.raises(ValueError, match=r"MnistDataset: .*train-labels-idx1-ubyte.gz has magic number 0x00000802; "
+                                         r"expected 0x00000801 \(unsigned bytes, 1 dimension\)$"):
+        load_mnist(tmp_path, "train")
+
+
+def test_read_idx_of_two_dimensions(tmp_path):
+    # read_idx reads any IDX file of unsigned bytes; its messages count "records" for other kinds.
+    magic = 0x00000802
+    table = np.arange(12, dtype=np.uint8).reshape(4, 3)
+    path = tmp_path / "table.gz"
+    _write(tmp_path / "table", _idx_bytes(table, magic), True)
+    np.testing.assert_array_equal(read_idx(str(path), magic), table)
+    with pytest.raises(ValueError, match=r"table.gz has magic number 0x00000802; expected 0x00000803 \(unsigned bytes, "
+                                         r"3 dimensions\)$"):
+        read_idx(str(path), IMAGES_MAGIC)
+    _write(tmp_path / "table", _idx_bytes(np.zeros((1, 2, 3), np.uint8), IMAGES_MAGIC), True)
+    with pytest.raises(ValueError, match=r"table.gz has magic number 0x00000803; expected 0x00000802 \(unsigned bytes, "
+                                         r"2 dimensions\)$"):
+        read_idx(str(path), magic)
+    _write(tmp_path / "table", _idx_bytes(table, magic)[:-2], True)
+    with pytest.raises(ValueError, match=r"table.gz is truncated: header shape \(4, 3\) needs 12 bytes of data, "
+                                         r"found 10; the header states 4 records, the file holds 3 and 1 bytes of "
+                                         r"another$"):
+        read_idx(str(path), magic)
+
+
 def test_corrupt_gzip(tmp_path):
     images, labels = _random_split(7, 20)
     _write_split(tmp_path, "test", images, labels, gz=(True, False))

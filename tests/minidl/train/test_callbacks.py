@@ -1,6 +1,8 @@
 """Callbacks: hook order and the 1.x aliases, LossMonitor's exact line, TimeMonitor,
 ModelCheckpoint's files and keep policy, latest_checkpoint; the monitors' lines on several
-ranks ([rank r] prefix, rank0_only), the rank asked at each print."""
+ranks ([rank r] prefix, rank0_only), the rank asked at each print; callbacks as context managers,
+CallbackList's dispatch, loss_value (one device read per loss), each line flushed, LossMonitor
+driven by a loop of one's own or resumed, TimeMonitor's figures on a clock the test moves."""
 import os
 import re
 
@@ -121,12 +123,18 @@ def test_eval_hooks_default_to_1x_names():
 
 
 def test_callback_list_and_run_context_checks():
-    with pytest.raises(TypeError, match=r"callbacks\[1\] must be a Callback, got int"):
+    with pytest.raises(TypeError, match=r"^Model: callbacks\[1\] must be a Callback, got int$"):
         CallbackList([LossMonitor(), 3])
-    with pytest.raises(TypeError, match="Callback or a list"):
+    with pytest.raises(TypeError, match="^Model: callbacks must be a Callback or a list of Callbacks, got str$"):
         CallbackList("LossMonitor")
-    with pytest.raises(TypeError, match="original_args must be a dict"):
+    with pytest.raises(TypeError, match="^Model.eval: callbacks must be a Callback or a list of Callbacks, got dict$"):
+        CallbackList({}, "Model.eval")
+    with pytest.raises(TypeError, match="^RunContext: original_args must be a dict, got list$"):
         RunContext([1])
+    run_context = RunContext({})
+    assert run_context.get_stop_requested() is False
+    run_context.request_stop()
+    assert run_context.get_stop_requested() is True
     p = CallbackParam(a=1)
     p.b = 2
     assert (p.a, p["b"]) == (1, 2)
@@ -267,3 +275,243 @@ def test_monitors_ask_the_rank_when_they_print_not_when_built(capsys):
 def test_rank0_only_must_be_a_bool_named_with_its_monitor(monitor):
     with pytest.raises(TypeError, match=rf"^{monitor.__name__}: rank0_only must be True or False, got 'yes'$"):
         monitor(rank0_only="yes")
+
+
+# ---- the hooks' contract, the monitors driven step by step, their printed figures -------------
+
+_HOOK_NAMES = [f"on_{phase}_{hook}" for phase in ("train", "eval")
+               for hook in ("begin", "epoch_begin", "epoch_end", "step_begin", "step_end", "end")]
+
+
+@pytest.mark.parametrize("make", [Callback, LossMonitor, TimeMonitor,
+                                  lambda: CallbackList([LossMonitor(), Callback()])])
+def test_a_callback_as_a_context_manager_lets_exceptions_through(make):
+    callback = make()
+    with pytest.raises(RuntimeError, match="^raised inside$"):
+        with callback as entered:
+            assert entered is callback
+            raise RuntimeError("raised inside")
+
+
+def test_a_callback_list_passes_the_run_context_to_each_callback_in_order():
+    calls = []
+
+    class Spy(Callback):
+        def __init__(self, tag):
+            self.tag = tag
+
+    for name in _HOOK_NAMES:
+        setattr(Spy, name, lambda self, run_context, name=name: calls.append((name, self.tag, run_context)))
+    callbacks = CallbackList([Spy("a"), Spy("b")])
+    run_context = RunContext(CallbackParam(cur_step_num=0))
+    for name in _HOOK_NAMES:
+        calls.clear()
+        hook = getattr(callbacks, name)
+        assert hook.__name__ == name
+        hook(run_context)
+        assert calls == [(name, "a", run_context), (name, "b", run_context)]
+
+
+def test_loss_value_takes_the_first_output_and_the_mean_of_an_array():
+    from minidl.train.callbacks import loss_value
+    first = loss_value((Tensor(np.float32(2.5)), Tensor(np.float32(7.0))))
+    assert first == 2.5 and first.dtype == np.float32
+    assert loss_value([np.array([1.0, 4.0])]) == 2.5
+    assert loss_value(np.array([], np.float32)) is None
+    as_float = loss_value(3)
+    assert as_float == 3.0 and type(as_float) is np.float64
+    assert loss_value(()) is None and loss_value("2.5") is None
+
+
+def test_loss_value_on_the_device_reads_each_loss_once_per_thread(on_the_double):
+    """On the GPU each read is a host synchronisation: several callbacks reading one step's loss
+    cost one. Another Tensor, the same Tensor with new data, and another thread (a threads world
+    trains one rank per thread) read again, and never get a stale value."""
+    import threading
+    from minidl.testing import cupy_double
+    from minidl.train.callbacks import loss_value
+    a, b = Tensor(np.float32(1.5)), Tensor(np.float32(2.5))
+
+    def read_in_a_new_thread(loss):
+        got = []
+        thread = threading.Thread(target=lambda: got.append(loss_value(loss)))
+        thread.start()
+        thread.join()
+        return got
+
+    with cupy_double.count_host_syncs() as syncs:
+        assert read_in_a_new_thread(a) == [1.5]
+    assert syncs.total == 1, syncs.by_reason
+    with cupy_double.count_host_syncs() as syncs:
+        assert loss_value(a) == 1.5 and loss_value((a, None)) == 1.5 and loss_value([a]) == 1.5
+    assert syncs.total == 1, syncs.by_reason
+    with cupy_double.count_host_syncs() as syncs:
+        assert loss_value(b) == 2.5 and loss_value(a) == 1.5
+    assert syncs.total == 2, syncs.by_reason
+    a.data = Tensor(np.float32(3.5)).data
+    assert loss_value(a) == 3.5 and read_in_a_new_thread(a) == [3.5]
+
+
+class _FlushRecorder:
+    """A stdout that records what each flush pushed out."""
+
+    def __init__(self):
+        self.pending, self.flushed = "", []
+
+    def write(self, text):
+        self.pending += text
+        return len(text)
+
+    def flush(self):
+        self.flushed.append(self.pending)
+        self.pending = ""
+
+    def isatty(self):
+        return False
+
+
+def test_the_monitors_flush_each_line_as_they_print_it(monkeypatch):
+    stdout = _FlushRecorder()
+    monkeypatch.setattr("sys.stdout", stdout)
+    _const_model(1.5).train(1, _small_ds(8, 4), callbacks=[LossMonitor(), TimeMonitor()])
+    with Rank(0):
+        _const_model(1.5).train(1, _small_ds(4, 4), callbacks=[LossMonitor(rank0_only=True),
+                                                               TimeMonitor(rank0_only=True)])
+    flushed = [text for text in stdout.flushed if text]
+    assert flushed[:2] == ["epoch: 1 step: 1, loss is 1.5\n", "epoch: 1 step: 2, loss is 1.5\n"]
+    assert flushed[3] == "epoch: 1 step: 1, loss is 1.5\n"
+    for time_line in (flushed[2], flushed[4]):
+        assert re.fullmatch(rf"{_TIME}\n", time_line), time_line
+    assert len(flushed) == 5 and stdout.pending == ""
+
+
+def test_loss_monitor_steps_on_from_where_a_resumed_run_starts(tmp_path, capsys):
+    """Resumed at global step 5 (epoch 2, step 1 of 4) with per_print_times=3: the lines come at
+    the multiples of 3 (steps 6, 9, 12), as in the run never interrupted."""
+    ckpt = ModelCheckpoint("c", str(tmp_path), CheckpointConfig(save_checkpoint_steps=100))
+    _const_model(1.5).train(3, _small_ds(16, 4), callbacks=[ckpt, StopAt(5)])
+    assert os.listdir(tmp_path) == ["c-2_1.ckpt"]
+    _const_model(1.5).train(3, _small_ds(16, 4), callbacks=LossMonitor(per_print_times=3),
+                            resume_from=str(tmp_path / "c-2_1.ckpt"))
+    assert capsys.readouterr().out.splitlines() == ["epoch: 2 step: 2, loss is 1.5",
+                                                    "epoch: 3 step: 1, loss is 1.5",
+                                                    "epoch: 3 step: 4, loss is 1.5"]
+
+
+def _run_context(**fields):
+    return RunContext(CallbackParam(net_outputs=Tensor(np.float32(0.5)), **fields))
+
+
+def test_loss_monitor_in_a_loop_of_ones_own(capsys):
+    """A loop that calls only on_train_step_end, with MindSpore's cb_params (no
+    cur_step_in_epoch): the monitor prints from the start, and works out the step in the epoch
+    from the global step and batch_num (3 steps an epoch)."""
+    monitor = LossMonitor(per_print_times=2)
+    for step in range(1, 8):
+        monitor.on_train_step_end(_run_context(cur_epoch_num=(step - 1) // 3 + 1, cur_step_num=step, batch_num=3))
+    assert capsys.readouterr().out.splitlines() == ["epoch: 1 step: 2, loss is 0.5",
+                                                    "epoch: 2 step: 1, loss is 0.5",
+                                                    "epoch: 2 step: 3, loss is 0.5"]
+    monitor = LossMonitor()
+    monitor.on_train_step_end(_run_context(cur_epoch_num=1, cur_step_num=1, batch_num=3))
+    assert capsys.readouterr().out == "epoch: 1 step: 1, loss is 0.5\n"
+
+
+def test_loss_monitor_believes_the_step_in_the_epoch_a_loop_gives(capsys):
+    """Epochs of varying length (a generator's last epoch short): the loop's
+    cur_step_in_epoch is printed, not one worked out from batch_num."""
+    monitor = LossMonitor()
+    monitor.on_train_begin(_run_context(cur_step_num=0))
+    for epoch, step, in_epoch in [(1, 1, 1), (1, 2, 2), (2, 3, 1), (2, 4, 2), (2, 5, 3)]:
+        monitor.on_train_step_end(_run_context(cur_epoch_num=epoch, cur_step_num=step, cur_step_in_epoch=in_epoch,
+                                               batch_num=2))
+    assert capsys.readouterr().out.splitlines() == [f"epoch: {e} step: {s}, loss is 0.5"
+                                                    for e, s in [(1, 1), (1, 2), (2, 1), (2, 2), (2, 3)]]
+
+
+@pytest.mark.cpu_only
+def test_a_nan_loss_on_the_cpu_names_the_step_and_nothing_else():
+    with pytest.raises(ValueError) as raised:
+        _const_model(np.nan).train(2, _small_ds(8, 4), callbacks=LossMonitor())
+    assert str(raised.value) == "epoch: 1 step: 1. Invalid loss nan, terminating training."
+    monitor = LossMonitor()
+    with pytest.raises(ValueError) as raised:
+        monitor.on_train_step_end(RunContext(CallbackParam(cur_epoch_num=2, cur_step_num=5, batch_num=3,
+                                                           net_outputs=np.float32(np.inf))))
+    assert str(raised.value) == "epoch: 2 step: 2. Invalid loss inf, terminating training."
+
+
+def test_a_nan_loss_on_the_gpu_tells_how_to_find_a_bad_label(on_the_double):
+    with pytest.raises(ValueError) as raised:
+        _const_model(np.nan).train(1, _small_ds(8, 4), callbacks=LossMonitor())
+    assert str(raised.value) == (
+        "epoch: 1 step: 1. Invalid loss nan, terminating training. On the GPU a class label outside [0, classes) "
+        "also gives a NaN loss (the range check would cost a host synchronisation per step); set the environment "
+        "variable MINIDL_CHECK_LABELS=1 to check labels on the host: it raises naming the first bad one.")
+
+
+class _Clock:
+    """The monitors' clock, moved only by the test (or by _Tick)."""
+
+    def __init__(self, monkeypatch):
+        from minidl.train import callbacks
+        self.now = 1000.0
+        monkeypatch.setattr(callbacks, "time", self)
+
+    def perf_counter(self):
+        return self.now
+
+
+class _Tick(Callback):
+    """Moves the clock: every step takes ``step_s``, and ``gap_s`` passes before every epoch."""
+
+    def __init__(self, clock, step_s, gap_s=10.0):
+        self.clock, self.step_s, self.gap_s = clock, step_s, gap_s
+
+    def on_train_epoch_begin(self, run_context):
+        self.clock.now += self.gap_s
+
+    def on_train_step_end(self, run_context):
+        self.clock.now += self.step_s
+
+
+def test_time_monitor_prints_the_epochs_time_and_the_mean_over_the_steps_run(monkeypatch, capsys):
+    clock = _Clock(monkeypatch)
+    _const_model(1.0).train(2, _small_ds(12, 4), callbacks=[_Tick(clock, 0.25), TimeMonitor()])
+    assert capsys.readouterr().out.splitlines() == ["epoch time: 750.000 ms, per step time: 250.000 ms"] * 2
+    # a stop after one step of three: the time of that one step
+    _const_model(1.0).train(2, _small_ds(12, 4), callbacks=[_Tick(clock, 0.125), TimeMonitor(data_size=3), StopAt(1)])
+    assert capsys.readouterr().out == "epoch time: 125.000 ms, per step time: 125.000 ms\n"
+
+
+def test_time_monitor_over_an_epoch_without_steps(monkeypatch, capsys):
+    """No step ran in the epoch (a rank with an empty shard under uneven_inputs): the per-step
+    time divides by data_size, else batch_num, else 1."""
+    clock = _Clock(monkeypatch)
+    for monitor, fields in [(TimeMonitor(data_size=4), {"batch_num": 3}), (TimeMonitor(), {"batch_num": 3}),
+                            (TimeMonitor(), {"batch_num": 0}), (TimeMonitor(), {})]:
+        run_context = RunContext(CallbackParam(cur_step_num=6, **fields))
+        monitor.on_train_epoch_begin(run_context)
+        clock.now += 1.0
+        monitor.on_train_epoch_end(run_context)
+    assert capsys.readouterr().out.splitlines() == ["epoch time: 1000.000 ms, per step time: 250.000 ms",
+                                                    "epoch time: 1000.000 ms, per step time: 333.333 ms",
+                                                    "epoch time: 1000.000 ms, per step time: 1000.000 ms",
+                                                    "epoch time: 1000.000 ms, per step time: 1000.000 ms"]
+
+
+def test_time_monitor_in_a_loop_without_epoch_begin_times_from_its_creation(monkeypatch, capsys):
+    """As MindSpore's: the epoch starts when the monitor is made, at step 0."""
+    clock = _Clock(monkeypatch)
+    monitor = TimeMonitor()
+    clock.now += 2.0
+    monitor.on_train_epoch_end(RunContext(CallbackParam(cur_step_num=4, batch_num=8)))
+    assert capsys.readouterr().out == "epoch time: 2000.000 ms, per step time: 500.000 ms\n"
+
+
+def test_time_monitor_data_size_must_be_none_or_a_positive_int():
+    assert TimeMonitor(1).data_size == 1 and TimeMonitor(5).data_size == 5 and TimeMonitor().data_size is None
+    for bad in (0, -2, True, 1.5, "3"):
+        message = f"TimeMonitor: data_size must be None or an int >= 1, got {bad!r}"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            TimeMonitor(bad)

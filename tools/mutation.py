@@ -14,9 +14,11 @@ docs/testing.md#mutation-testing records the latest results and why each survivo
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -69,6 +71,10 @@ TARGETS = {
     "kernels_cuda": (["minidl/kernels/cuda"], ["tests/minidl/kernels"]),
 }
 
+# A mutant's tests that run longer than this (wall clock) are stopped and counted as a timeout
+# (the slowest target's tests take under a minute unmutated).
+STALLED_MUTANT_S = 300
+
 # Functions that Numba compiles cannot be mutated by mutmut: it replaces each function by a
 # trampoline that Numba cannot compile. Each of these loops is held to its NumPy reference by the
 # kernel tests (tests/minidl/kernels), which is what a mutant there would fail.
@@ -96,6 +102,27 @@ def configure(folder, sources, tests):
         f.write("\n".join(lines) + "\n")
 
 
+def stop_stalled_mutants(limit_s, finished):
+    """Send SIGXCPU to each of mutmut's mutant processes that has run longer than limit_s seconds.
+
+    mutmut bounds a mutant by CPU time only, so a mutant that deadlocks (a worker pool that never
+    answers) sleeps forever. SIGXCPU is the signal mutmut's own limit sends: it records a timeout.
+    """
+    ticks = os.sysconf("SC_CLK_TCK")
+    while not finished.wait(10):
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        for proc in Path("/proc").iterdir():
+            try:
+                if not proc.name.isdigit() or not (proc / "cmdline").read_bytes().startswith(b"mutmut: "):
+                    continue
+                # field 22 of stat (counted from 1) is the start time; the name (field 2) may hold spaces
+                started = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+                if uptime - started > limit_s:
+                    os.kill(int(proc.name), signal.SIGXCPU)
+            except (OSError, ValueError, IndexError):
+                continue  # the process ended while being read
+
+
 def run(name, keep):
     sources, tests = TARGETS[name]
     folder = Path(tempfile.mkdtemp(prefix=f"minidl-mutation-{name}-"))
@@ -107,9 +134,13 @@ def run(name, keep):
     # ranks or the launcher's workers, shows as "no tests": mutmut maps tests to functions in its own process.)
     env = dict(os.environ, CI="true")
     start = time.monotonic()
+    finished = threading.Event()
+    watchdog = threading.Thread(target=stop_stalled_mutants, args=(STALLED_MUTANT_S, finished), daemon=True)
+    watchdog.start()
     with open(folder / "mutmut-run.log", "w") as log:
         done = subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=folder, env=env, stdout=log,
                               stderr=subprocess.STDOUT)
+    finished.set()
     seconds = time.monotonic() - start
     if done.returncode != 0:
         tail = (folder / "mutmut-run.log").read_text(errors="replace")[-3000:]

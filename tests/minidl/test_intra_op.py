@@ -5,7 +5,11 @@ import ctypes.util
 import gc
 import multiprocessing
 import os
+import queue
+import sys
 import threading
+import time
+import types
 import weakref
 
 import numpy as np
@@ -91,6 +95,114 @@ def test_the_pool_keeps_nothing_of_a_finished_call(threads):
     del array
     gc.collect()
     assert alive() is None
+
+
+@needs_local_blas
+def test_parallel_map_reraises_a_workers_error_too(threads):
+    threads(3)
+
+    def work(i):
+        if i == 2:
+            raise KeyError("chunk 2 failed")
+        return i
+
+    with pytest.raises(KeyError, match="chunk 2 failed"):
+        intra_op.parallel_map(work, 3)
+    assert intra_op.parallel_map(lambda i: -i, 3) == [0, -1, -2]
+
+
+def test_parallel_map_refuses_more_calls_than_threads_and_says_both():
+    n = minidl.get_num_threads()
+    with pytest.raises(ValueError, match=f"parallel_map: {n + 1} calls for {n} threads"):
+        intra_op.parallel_map(lambda i: i, n + 1)
+
+
+@needs_local_blas
+def test_parallel_map_runs_the_callers_call_on_a_one_thread_blas_and_gives_its_count_back(threads, monkeypatch):
+    """The caller's call runs with OpenBLAS at one thread; afterwards the caller's count is what it
+    was. (NumPy's OpenBLAS, a pthreads build, keeps that count process-wide whatever the setter's
+    name: so the pool is started first, and the workers' calls leave the count alone.)"""
+    monkeypatch.setitem(intra_op._state, "blas", None)  # the library found afresh, as in a new process
+    threads(3)
+    set_local = intra_op._openblas().openblas_set_num_threads_local  # returns the count it replaces
+    started = threading.Barrier(3, timeout=30)
+    intra_op.parallel_map(lambda i: started.wait(), 3)  # both workers have started
+    own = set_local(1)
+    try:
+        for count in (1, 2):  # 1: not the BLAS's default (what a setter given 0 restores) on 2 cores or more
+            set_local(count)
+            assert intra_op.parallel_map(lambda i: set_local(1) if i == 0 else None, 3)[0] == 1
+            assert set_local(count) == count
+    finally:
+        set_local(own)
+
+
+@needs_local_blas
+def test_a_new_pools_workers_hold_the_blas_to_one_thread():
+    set_local = intra_op._openblas().openblas_set_num_threads_local
+    own = set_local(3)
+    pool = intra_op._Pool(2)
+    try:
+        started, done = threading.Barrier(2, timeout=30), queue.SimpleQueue()
+
+        def count_found(i):
+            started.wait()  # each call waits for the other: each worker runs one
+            return set_local(1)
+
+        for i in (1, 2):
+            pool.tasks.put((count_found, i, done))
+        results = sorted(done.get(timeout=30) for _ in range(2))
+        assert results == [(1, 1, None), (2, 1, None)]  # (call, the count it found, no error)
+    finally:
+        pool.close()
+        set_local(own)
+
+
+def _pool_threads():
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("minidl-intra-op-"))
+
+
+@needs_local_blas
+def test_a_pool_for_n_threads_starts_n_minus_one_workers(threads):
+    """The caller runs call 0 itself: 3 threads are the caller and 2 workers."""
+    threads(1)  # closes the pool: its workers exit
+    deadline = time.monotonic() + 30
+    while _pool_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _pool_threads() == []
+    threads(3)
+    assert intra_op.parallel_map(lambda i: i, 3) == [0, 1, 2]
+    assert _pool_threads() == ["minidl-intra-op-0", "minidl-intra-op-1"]
+
+
+def _blocks(start, stop):
+    return start, stop
+
+
+@needs_local_blas
+def test_map_rows_gives_each_thread_one_block_of_rows_in_order(threads, options):
+    rows = np.zeros((7, 2))
+    options(parallel_min_bytes=rows.nbytes)  # from this many bytes on: this array is split
+    threads(3)
+    assert intra_op.map_rows(np, rows, _blocks) == [(0, 3), (3, 5), (5, 7)]
+    threads(2)
+    assert intra_op.map_rows(np, rows, _blocks) == [(0, 4), (4, 7)]
+    threads(3)
+    assert intra_op.map_rows(np, rows[:2], _blocks) == [(0, 2)]  # under the threshold: one block
+    options(parallel_min_bytes=0)
+    assert intra_op.map_rows(np, rows[:2], _blocks) == [(0, 1), (1, 2)]  # fewer rows than threads
+    assert intra_op.map_rows(np, rows[:0], _blocks) == [(0, 0)]
+
+
+@needs_local_blas
+def test_map_rows_leaves_another_array_modules_arrays_in_one_block(threads, options):
+    """Only NumPy arrays are split over the host threads (a device array's work is the device's)."""
+    rows = np.zeros((5, 3))
+    options(parallel_min_bytes=0)
+    threads(3)
+    assert intra_op.map_rows(types.ModuleType("cupy"), rows, _blocks) == [(0, 5)]
+    threads(1)
+    assert intra_op.map_rows(np, rows, _blocks) == [(0, 5)]
 
 
 def test_set_num_threads_rejects_bad_values():
@@ -237,6 +349,114 @@ def test_numpys_openblas_is_found_where_the_wheel_or_threadpoolctl_shows_it():
     assert intra_op.blas_status() == why
 
 
+@pytest.mark.skipif(not ctypes.util.find_library("m"), reason="needs a shared library without OpenBLAS in it")
+def test_each_fallback_says_why_and_that_ops_run_on_one_thread(tmp_path):
+    libm = ctypes.util.find_library("m")
+    missing = str(tmp_path / "libopenblas-missing.so")
+    other = intra_op.find_openblas("mkl", [])[1]
+    absent = intra_op.find_openblas("scipy-openblas", [])[1]
+    no_setter = intra_op.find_openblas("openblas", [missing, libm])[1]
+    assert other.startswith("NumPy's BLAS is 'mkl', not OpenBLAS: ")
+    assert absent.startswith("NumPy's OpenBLAS was not found (no numpy.libs copy; threadpoolctl")
+    assert no_setter.startswith(f"no openblas_set_num_threads_local (OpenBLAS >= 0.3.27) in {missing}, {libm}: ")
+    for why in (other, absent, no_setter):
+        assert why.endswith(": CPU ops run their chunks on one thread")
+
+
+@needs_local_blas
+def test_a_path_that_does_not_load_is_skipped_for_the_next(tmp_path):
+    missing = str(tmp_path / "libscipy_openblas-missing.so")
+    paths = intra_op.openblas_paths()
+    lib, why = intra_op.find_openblas("scipy-openblas", [missing] + paths)
+    assert lib and why == f"OpenBLAS with a thread-local thread count: {paths[0]}"
+
+
+def test_openblas_paths_are_the_wheels_copies_then_threadpoolctls_openblas(tmp_path, monkeypatch):
+    site = tmp_path / "site-packages"
+    (site / "numpy").mkdir(parents=True)
+    libs = site / "numpy.libs"
+    libs.mkdir()
+    for name in ("libscipy_openblas64_-b.so", "libscipy_openblas64_-a.so", "libgfortran-c.so"):
+        (libs / name).write_bytes(b"")
+    loaded, mkl = tmp_path / "libopenblas.so.0", tmp_path / "libmkl_rt.so"
+    monkeypatch.setattr(intra_op, "numpy", types.SimpleNamespace(__file__=str(site / "numpy" / "__init__.py")))
+    monkeypatch.setitem(sys.modules, "threadpoolctl", types.SimpleNamespace(threadpool_info=lambda: [
+        {"internal_api": "mkl", "filepath": str(mkl)},
+        {"internal_api": "openblas", "filepath": str(loaded)},
+        {"internal_api": "openblas", "filepath": str(libs / "libscipy_openblas64_-a.so")},  # the wheel's: once
+        {"user_api": "openmp", "filepath": str(tmp_path / "libgomp.so")},
+    ]))
+    wheel = [os.path.realpath(libs / "libscipy_openblas64_-a.so"), os.path.realpath(libs / "libscipy_openblas64_-b.so")]
+    assert intra_op.openblas_paths() == wheel + [os.path.realpath(loaded)]
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # threadpoolctl not installed
+    assert intra_op.openblas_paths() == wheel
+
+
+def test_numpys_blas_is_looked_for_once_and_another_blas_leaves_ops_serial(monkeypatch):
+    monkeypatch.setitem(intra_op._state, "blas", None)
+    monkeypatch.setitem(intra_op._state, "blas_status", None)
+    monkeypatch.setattr(intra_op, "numpy_blas_name", lambda config=None: "mkl")
+    looked = []
+    monkeypatch.setattr(intra_op, "openblas_paths", lambda: looked.append(1) or [])
+    assert intra_op._openblas() is False
+    assert intra_op._openblas() is False and looked == [1]
+    assert intra_op.blas_status().startswith("NumPy's BLAS is 'mkl', not OpenBLAS")
+
+
+@needs_local_blas
+def test_numpys_openblas_is_found_once_and_kept(monkeypatch):
+    monkeypatch.setitem(intra_op._state, "blas", None)
+    monkeypatch.setitem(intra_op._state, "blas_status", None)
+    real_paths, looked = intra_op.openblas_paths, []
+    monkeypatch.setattr(intra_op, "openblas_paths", lambda: looked.append(1) or real_paths())
+    lib = intra_op._openblas()
+    assert lib is intra_op._openblas() and looked == [1]
+    assert hasattr(lib, "openblas_set_num_threads_local")
+    assert intra_op.blas_status() == f"OpenBLAS with a thread-local thread count: {real_paths()[0]}"
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """``machine(affinity={...} or None, cpu_count=...)``: the probes see a machine where this
+    process (pid 0) may run on ``affinity`` (None: an OS without sched_getaffinity)."""
+    def set_machine(affinity=None, cpu_count=None):
+        fake = types.SimpleNamespace(path=os.path, environ=os.environ, cpu_count=lambda: cpu_count)
+        if affinity is not None:
+            def sched_getaffinity(pid):
+                if pid != 0:
+                    raise ProcessLookupError(pid)
+                return set(affinity)
+            fake.sched_getaffinity = sched_getaffinity
+        monkeypatch.setattr(intra_op, "os", fake)
+    return set_machine
+
+
+def test_cores_are_the_affinity_mask_else_the_cpu_count(machine):
+    machine(affinity={0, 5, 7}, cpu_count=16)
+    assert intra_op.cores() == 3
+    machine(affinity=None, cpu_count=16)
+    assert intra_op.cores() == 16
+    machine(affinity=None, cpu_count=None)  # os.cpu_count() cannot tell
+    assert intra_op.cores() == 1
+
+
+class _FakeBLAS:
+    """A library whose (global) thread count is ``n``."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def openblas_get_num_threads(self):
+        return self.n
+
+
+def test_thread_count_is_the_blas_count_within_one_and_the_cores(machine):
+    machine(affinity={0, 1, 2, 3})
+    assert [intra_op._default_threads({}, lib=_FakeBLAS(n)) for n in (0, 1, 3, 64)] == [1, 1, 3, 4]
+    assert intra_op._default_threads({}, lib=object()) == 4  # no thread count to read: the cores
+    assert intra_op._default_threads({"MINIDL_NUM_THREADS": "1"}, lib=_FakeBLAS(3)) == 1
+
+
 class _FakeOpenBLAS:
     """Stands for a library whose thread count is 64 (more than this process's cores)."""
 
@@ -269,8 +489,9 @@ def no_blas(monkeypatch):
 @pytest.mark.cpu_only  # intra-op threads split NumPy work; a GPU has none
 def test_without_a_thread_local_blas_ops_run_serially_and_give_the_reference(no_blas, options, kernels_on):
     assert minidl.get_num_threads() == 1
-    minidl.set_num_threads(4)
-    assert minidl.get_num_threads() == 1  # asked for 4, but the BLAS cannot be held to one per thread
+    for n in (2, 4):
+        minidl.set_num_threads(n)
+        assert minidl.get_num_threads() == 1  # asked for n, but the BLAS cannot be held to one per thread
     assert "was not found" in intra_op.blas_status()
     options(parallel_min_bytes=0, relu_row=64)
     rng = np.random.default_rng(0)
@@ -319,3 +540,34 @@ def test_min_parallel_bytes_is_one_and_a_half_l2s_and_a_kernels_option(options):
     assert intra_op.min_parallel_bytes() == machine
     options(parallel_min_bytes=123)
     assert intra_op.min_parallel_bytes() == 123
+
+
+def test_cache_sizes_take_a_b_suffix_and_plain_bytes_and_skip_odd_entries(tmp_path):
+    _fake_cache(tmp_path, 0, [(1, "Data", "lots"), (1, "Data", "32KB"), (2, "Unified", "2MB"),
+                              (3, "Unified", "8388608"), (4, "Unified", "1gb")])
+    assert intra_op.cache_sizes(str(tmp_path), cpu=0) == {1: 32 << 10, 2: 2 << 20, 3: 8 << 20, 4: 1 << 30}
+
+
+def test_the_caches_read_are_those_of_the_first_cpu_this_process_may_run_on(tmp_path, machine):
+    l2_kb = intra_op.l2_bytes() // 1024 + 256  # an L2 unlike this machine's (its own is kept)
+    for cpu, kb in ((0, 512), (1, 768), (3, l2_kb)):
+        _fake_cache(tmp_path, cpu, [(2, "Unified", f"{kb}K")])
+    machine(affinity={5, 3})
+    assert intra_op.cache_sizes(str(tmp_path)) == {2: l2_kb << 10}
+    assert intra_op.l2_bytes(str(tmp_path)) == l2_kb << 10
+    machine(affinity=None)  # no affinity on this OS: cpu0
+    assert intra_op.cache_sizes(str(tmp_path)) == {2: 512 << 10}
+
+
+def test_the_machines_own_l2_is_read_once_and_kept(monkeypatch):
+    monkeypatch.delitem(intra_op._state, "l2", raising=False)
+    real, reads = intra_op.cache_sizes, []
+    monkeypatch.setattr(intra_op, "cache_sizes", lambda *args: reads.append(args) or real(*args))
+    first = intra_op.l2_bytes()
+    assert first == (real().get(2) or intra_op.FALLBACK_L2_BYTES)
+    assert intra_op.l2_bytes() == first and len(reads) == 1
+
+
+def test_min_parallel_bytes_is_a_whole_number_of_bytes():
+    assert intra_op._min_parallel_bytes(1280 << 10) == 1920 << 10
+    assert intra_op._min_parallel_bytes(1001) == 1501 and isinstance(intra_op._min_parallel_bytes(1001), int)

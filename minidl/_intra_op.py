@@ -228,21 +228,26 @@ def parallel_map(fn, n):
         raise ValueError(f"parallel_map: {n} calls for {get_num_threads()} threads")
     done = queue.SimpleQueue()
     pool = _pool()
-    for i in range(1, n):
-        pool.tasks.put((fn, i, done))
     results, error = [None] * n, None
     lib = _openblas()
+    # NumPy's OpenBLAS (0.3.31) keeps this count per process, not per thread as its name says: so it
+    # is 1 from before the first task is queued until the last one is back, or a worker's GEMM could
+    # run on the caller's full count of BLAS threads, oversubscribing the cores.
     previous = lib.openblas_set_num_threads_local(1)
     try:
-        results[0] = fn(0)
-    except BaseException as e:
-        error = e
+        for i in range(1, n):
+            pool.tasks.put((fn, i, done))
+        try:
+            results[0] = fn(0)
+        except BaseException as e:
+            error = e
+        finally:
+            for _ in range(n - 1):
+                i, result, e = done.get()
+                results[i] = result
+                error = error or e
     finally:
         lib.openblas_set_num_threads_local(previous)
-        for _ in range(n - 1):
-            i, result, e = done.get()
-            results[i] = result
-            error = error or e
     if error is not None:
         raise error
     return results

@@ -137,6 +137,37 @@ def test_parallel_map_runs_the_callers_call_on_a_one_thread_blas_and_gives_its_c
         set_local(own)
 
 
+class ProcessWideCount:
+    """A BLAS whose "thread-local" count is one per process, as NumPy's OpenBLAS 0.3.31 keeps it."""
+
+    def __init__(self, count):
+        self.count = count
+
+    def openblas_set_num_threads_local(self, count):
+        previous, self.count = self.count, count
+        return previous
+
+
+def test_the_workers_calls_run_on_a_one_thread_blas_even_where_the_count_is_per_process(threads, monkeypatch):
+    """The count is 1 from before a task is queued until the last one is back, then the caller's
+    again: a worker still running after the caller's own call never runs on the caller's count."""
+    threads(3)
+    intra_op.parallel_map(lambda i: None, 3)  # the pool's workers started (they set their count once)
+    blas = ProcessWideCount(4)
+    monkeypatch.setitem(intra_op._state, "blas", blas)
+    caller_done = threading.Event()
+
+    def count_seen(i):
+        if i == 0:
+            caller_done.set()  # the caller's call ends first
+        else:
+            assert caller_done.wait(30)
+        return blas.count
+
+    assert intra_op.parallel_map(count_seen, 3) == [1, 1, 1]
+    assert blas.count == 4
+
+
 @needs_local_blas
 def test_a_new_pools_workers_hold_the_blas_to_one_thread():
     set_local = intra_op._openblas().openblas_set_num_threads_local

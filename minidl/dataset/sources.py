@@ -41,7 +41,6 @@ class SourceDataset(Dataset):
 
     def _setup(self, who, column_names, shuffle, num_shards, shard_id, num_samples, shard_mode, seed):
         Dataset.__init__(self)
-        self._who = who
         self._col_names = list(column_names)
         self._shuffle = bool(shuffle)
         self._shards = resolve_shards(num_shards, shard_id, who)
@@ -74,6 +73,8 @@ class SourceDataset(Dataset):
 
 
 def _column_names(column_names, count, who):
+    """The names checked: a name or a list of distinct names, ``count`` of them (any number where
+    count is None); None gives "column_0", "column_1", ..."""
     if column_names is None:
         return [f"column_{i}" for i in range(count)]
     names = [column_names] if isinstance(column_names, str) else column_names
@@ -81,7 +82,7 @@ def _column_names(column_names, count, who):
         raise TypeError(f"{who}: column_names must be a name or a list of names, got {column_names!r}")
     if len(set(names)) != len(names):
         raise ValueError(f"{who}: column_names has repeated names: {list(names)}")
-    if len(names) != count:
+    if count is not None and len(names) != count:
         raise ValueError(f"{who}: column_names has {len(names)} name(s) {list(names)} but the data has {count} "
                          f"column(s)")
     return list(names)
@@ -140,9 +141,9 @@ class NumpySlicesDataset(SourceDataset):
         lengths = {name: len(c) for name, c in zip(names, self._columns)}
         if len(set(lengths.values())) > 1:
             raise ValueError(f"{who}: columns must have the same length (first axis), got {lengths}")
-        self._n = len(self._columns[0]) if self._columns else 0
         if not self._columns:
             raise ValueError(f"{who}: data has no columns")
+        self._n = len(self._columns[0])
         self._setup(who, names, True if shuffle is None else shuffle, num_shards, shard_id, num_samples,
                     shard_mode, seed)
 
@@ -214,10 +215,7 @@ class GeneratorDataset(SourceDataset):
         who = "GeneratorDataset"
         if column_names is None:
             raise ValueError(f"{who}: column_names is required, e.g. column_names=['data', 'label']")
-        if isinstance(column_names, str):
-            column_names = [column_names]
-        names = _column_names(column_names, len(column_names) if isinstance(column_names, (list, tuple)) else 0,
-                              who)
+        names = _column_names(column_names, None, who)
         if not names:
             raise ValueError(f"{who}: column_names must name at least one column")
         self._source = source

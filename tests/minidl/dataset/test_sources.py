@@ -1,8 +1,11 @@
 """NumpySlicesDataset and GeneratorDataset: data forms, names, source kinds, sharding, bad input."""
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+from minidl import backend
 from minidl.dataset import NumpySlicesDataset, GeneratorDataset
 
 
@@ -96,6 +99,47 @@ def test_list_of_arrays_of_different_shapes_suggests_a_tuple():
     assert NumpySlicesDataset((x, y), shuffle=False).get_col_names() == ["column_0", "column_1"]
 
 
+def shuffled(seed=None, **kw):
+    return [r[0] for r in rows_of(NumpySlicesDataset(np.arange(20), seed=seed, **kw))]
+
+
+def test_the_seed_is_the_one_given_else_set_seeds_else_0(monkeypatch):
+    assert shuffled(seed=1) != shuffled(seed=2) and sorted(shuffled(seed=1)) == list(range(20))
+    monkeypatch.setitem(backend._state, "seed", None)
+    assert shuffled() == shuffled(seed=0)
+    monkeypatch.setitem(backend._state, "seed", 7)  # as after minidl.set_seed(7), read when the dataset is made
+    assert shuffled() == shuffled(seed=7) != shuffled(seed=0)
+    assert shuffled(seed=0) == shuffled(seed=np.int64(0))  # any integral type
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match=rf"NumpySlicesDataset: seed must be None or an int >= 0, got {bad!r}"):
+            NumpySlicesDataset(np.arange(3), seed=bad)
+
+
+def test_a_dict_column_may_be_named_by_a_string():
+    ds = NumpySlicesDataset({"img": np.arange(3)}, column_names="img", shuffle=False)
+    assert ds.get_col_names() == ["img"] and rows_of(ds) == [(0,), (1,), (2,)]
+
+
+@pytest.mark.parametrize("data", [(), {}])
+def test_data_without_columns(data):
+    with pytest.raises(ValueError, match=r"^NumpySlicesDataset: data has no columns$"):
+        NumpySlicesDataset(data)
+
+
+def test_column_names_must_be_strings():
+    with pytest.raises(TypeError, match=r"^NumpySlicesDataset: column_names must be a name or a list of names, "
+                                        r"got \['a', 1\]$"):
+        NumpySlicesDataset((np.zeros(3), np.zeros(3)), column_names=["a", 1])
+
+
+@pytest.mark.parametrize("count, shown", [(3, "(3,), (3, 1), (3, 2)"), (4, "(3,), (3, 1), (3, 2), ...")])
+def test_a_list_of_many_shapes_shows_the_first_three(count, shown):
+    arrays = [np.zeros(3)] + [np.zeros((3, k)) for k in range(1, count)]
+    with pytest.raises(ValueError, match=r"data is a list holding arrays of different shapes \(" + re.escape(shown)
+                                         + r"\); a list"):
+        NumpySlicesDataset(arrays)
+
+
 def test_subclass_reports_its_own_name():
     class MyDataset(NumpySlicesDataset):
         pass
@@ -167,10 +211,14 @@ def test_iterable_shards_like_random_access(n, num_shards, mode, num_samples, da
 
 def test_one_shot_iterator_allows_one_epoch():
     ds = GeneratorDataset(gen_squares(3)(), ["sq", "parity"])
-    with pytest.raises(ValueError, match=r"size of a one-shot iterator .* is unknown without consuming it"):
+    with pytest.raises(ValueError, match=r"^GeneratorDataset: the size of a one-shot iterator \(e\.g\. a generator "
+                                         r"object\) is unknown without consuming it; pass a callable that returns a "
+                                         r"fresh iterable \(e\.g\. the generator function itself\)$"):
         ds.get_dataset_size()
     assert len(rows_of(ds)) == 3
-    with pytest.raises(ValueError, match=r"one-shot iterator .* that was already read"):
+    with pytest.raises(ValueError, match=r"^GeneratorDataset: the source is a one-shot iterator \(e\.g\. a generator "
+                                         r"object\) that was already read; for more than one epoch pass a callable "
+                                         r"that returns a fresh iterable \(e\.g\. the generator function itself\)"):
         rows_of(ds, 1)
 
 
@@ -180,11 +228,52 @@ def test_single_column_rows_may_be_bare_values():
     assert rows_of(GeneratorDataset(np.arange(6).reshape(3, 2), "v", shuffle=False))[1] == ([2, 3],)
 
 
+class SizedStream(Stream):
+    """A re-iterable source that knows its length but has no random access; counts the rows read."""
+
+    rows_read = 0
+
+    def __iter__(self):
+        for row in super().__iter__():
+            self.rows_read += 1
+            yield row
+
+    def __len__(self):
+        return self.n
+
+
+def test_a_sized_stream_is_read_in_order_and_sized_without_reading_it():
+    source = SizedStream(5)
+    ds = GeneratorDataset(source, ["sq", "parity"])
+    assert ds.get_dataset_size() == 5 and source.rows_read == 0  # its __len__, as MindSpore does
+    assert [r[0] for r in rows_of(ds)] == [0, 1, 4, 9, 16]  # no __getitem__: in order, never source[i]
+    with pytest.raises(ValueError, match=r"this SizedStream can only be read in order"):
+        GeneratorDataset(source, ["sq", "parity"], shuffle=True)
+
+
+@pytest.mark.parametrize("source", [gen_squares(5), Squares(5)], ids=["stream", "random_access"])
+def test_generator_shard_modes(source):
+    """Shard 1 of 2 over 5 rows: "exact" reads rows 1, 3; "pad" wraps around to equal lengths."""
+    exact = GeneratorDataset(source, ["sq", "parity"], shuffle=False, num_shards=2, shard_id=1, shard_mode="exact")
+    assert exact.get_dataset_size() == 2 and [r[0] for r in rows_of(exact)] == [1, 9]
+    pad = GeneratorDataset(source, ["sq", "parity"], shuffle=False, num_shards=2, shard_id=1)
+    assert pad.get_dataset_size() == 3 and [r[0] for r in rows_of(pad)] == [1, 9, 0]
+
+
+def test_generator_seed_orders_the_shuffle():
+    order = [[r[0] for r in rows_of(GeneratorDataset(Squares(20), ["sq", "parity"], seed=s))] for s in (1, 1, 2)]
+    assert order[0] == order[1] != order[2]
+
+
 @pytest.mark.parametrize("make, exc, match", [
     (lambda: GeneratorDataset(gen_squares(3), shuffle=True, column_names=["a", "b"]), ValueError,
      r"shuffle=True needs a random-access source \(with __getitem__ and __len__\); .* \.shuffle\(buffer_size\)"),
     (lambda: GeneratorDataset(gen_squares(3)), ValueError, r"column_names is required"),
-    (lambda: GeneratorDataset(5, column_names="a"), TypeError, r"source must be random-access"),
+    (lambda: GeneratorDataset(5, column_names="a"), TypeError, r"source must be random-access .* got int$"),
+    (lambda: GeneratorDataset(Squares(3), column_names=5), TypeError,
+     r"column_names must be a name or a list of names, got 5$"),
+    (lambda: GeneratorDataset(Squares(3), column_names=["a", 2]), TypeError,
+     r"column_names must be a name or a list of names, got \['a', 2\]$"),
     (lambda: GeneratorDataset(Squares(3), column_names=[]), ValueError, r"column_names must name at least one"),
     (lambda: GeneratorDataset(Squares(3), column_names=["a", "b"], num_shards=3), ValueError,
      r"num_shards was given without shard_id"),

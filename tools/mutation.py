@@ -74,7 +74,7 @@ TARGETS = {
 }
 
 # A mutant's tests that run longer than this (wall clock) are stopped and counted as a timeout
-# (the slowest target's tests take under a minute unmutated).
+# (the slowest target's tests take under a minute unmutated); --stall-after changes it.
 STALLED_MUTANT_S = 300
 
 # Functions that Numba compiles cannot be mutated by mutmut: it replaces each function by a
@@ -125,7 +125,7 @@ def stop_stalled_mutants(limit_s, finished):
                 continue  # the process ended while being read
 
 
-def run(name, keep):
+def run(name, keep, stall_after=STALLED_MUTANT_S):
     sources, tests = TARGETS[name]
     folder = Path(tempfile.mkdtemp(prefix=f"minidl-mutation-{name}-"))
     for f in working_tree_files():
@@ -137,7 +137,7 @@ def run(name, keep):
     env = dict(os.environ, CI="true")
     start = time.monotonic()
     finished = threading.Event()
-    watchdog = threading.Thread(target=stop_stalled_mutants, args=(STALLED_MUTANT_S, finished), daemon=True)
+    watchdog = threading.Thread(target=stop_stalled_mutants, args=(stall_after, finished), daemon=True)
     watchdog.start()
     with open(folder / "mutmut-run.log", "w") as log:
         done = subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=folder, env=env, stdout=log,
@@ -174,6 +174,9 @@ def main():
     parser.add_argument("targets", nargs="*", help=f"among {', '.join(TARGETS)}")
     parser.add_argument("--list", action="store_true", help="print the targets with their files and tests")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (mutmut browse there)")
+    parser.add_argument("--stall-after", type=float, default=STALLED_MUTANT_S, metavar="SECONDS",
+                        help=f"stop a mutant's tests after this long, a timeout (default {STALLED_MUTANT_S}; "
+                             f"intra_op's tests take 3 s and its pool's mutants deadlock: 60 there)")
     args = parser.parse_args()
     if args.list or not args.targets:
         for name, (sources, tests) in TARGETS.items():
@@ -182,7 +185,7 @@ def main():
     unknown = [t for t in args.targets if t not in TARGETS]
     if unknown:
         parser.error(f"unknown targets {unknown}: expected some of {list(TARGETS)}")
-    return max(run(name, args.keep) for name in args.targets)
+    return max(run(name, args.keep, args.stall_after) for name in args.targets)
 
 
 if __name__ == "__main__":

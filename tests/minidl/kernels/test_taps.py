@@ -2,10 +2,11 @@
 (minidl/kernels/cpu/blas.py), against NumPy and the reference Conv2D, on each BLAS found."""
 import contextlib
 import importlib.util
+import tracemalloc
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from minidl import kernels, ops, Tensor
 from minidl.kernels.cpu import blas, conv as cpu_conv
@@ -145,6 +146,14 @@ def weight_products(x, times, stride, pads, dilation, kernel):
 @given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 4), st.integers(3, 9), st.integers(3, 9),
        st.sampled_from([(1, 1), (2, 2), (3, 3), (1, 3), (3, 2)]), st.sampled_from([(1, 1), (2, 2), (2, 1), (1, 3)]),
        st.sampled_from([(1, 1), (2, 1), (1, 2)]), st.tuples(*[st.integers(0, 3)] * 4), st.sampled_from([None, 1, 2]))
+# Geometries the derandomized draws may miss: pads wider than the kernel's reach (a zero gap each);
+# a stride phase the taps use that holds no column of x, or none that an output reads; a phase whose
+# last rows of x no output reads.
+@example(2, 2, 3, 5, 4, (1, 1), (1, 1), (1, 1), (1, 2, 2, 1), None)
+@example(2, 2, 3, 3, 3, (2, 2), (1, 3), (1, 2), (1, 1, 1, 1), None)
+@example(2, 2, 3, 4, 3, (2, 2), (1, 3), (1, 2), (1, 1, 2, 0), None)
+@example(2, 2, 3, 3, 3, (2, 2), (2, 2), (1, 1), (0, 0, 0, 0), None)
+@example(2, 2, 3, 6, 3, (2, 2), (2, 2), (1, 1), (3, 0, 2, 1), None)
 def test_taps_equal_the_reference(n, c, o, h, wd, kernel, stride, dilation, pads, per_chunk):
     (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
     pt, pb, pl, pr = pads
@@ -168,6 +177,7 @@ def test_taps_equal_the_reference(n, c, o, h, wd, kernel, stride, dilation, pads
     assert (y_alone == y).all() and (acc_alone == acc).all()
     np.testing.assert_allclose(acc, weight_products(x, gy, stride, pads, dilation, kernel), rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(gx, gx_ref, rtol=1e-4, atol=1e-4)
+    assert y.dtype == acc.dtype == gx.dtype == np.float32
 
 
 def test_taps_do_not_take_what_they_cannot_run():
@@ -185,3 +195,87 @@ def test_the_conv_kernel_cases_pass_on_every_library(library):
     for kernel in (cpu_conv.Conv2DRoutes(), cpu_conv.Conv2DTransposeRoutes()):
         for make, arrays in kernel.cases():
             check_kernels(lambda *ts: make()(*ts), arrays, arrays[0].dtype)
+
+
+@pytest.mark.parametrize("size, k, stride, dilation, pad, rows", [
+    (32, 3, 1, 1, 1, 33),  # ResNet's stride-1 3x3: one shared zero gap, 33*33 / 32*32 = 1.06x the output
+    (8, 3, 1, 1, 1, 9),    # its 8x8 stage: 1.27x
+    (8, 3, 1, 1, 2, 10),   # pads as wide as the kernel's reach still share one gap
+    (8, 3, 1, 2, 2, 10),   # dilated: the reach is (k-1)*dilation = 4
+    (8, 1, 1, 1, 1, 10),   # pads wider than the reach (1x1): a gap each
+    (32, 3, 2, 1, 1, 17),  # strided: OH + (k-1)*dilation // stride
+    (8, 3, 2, 2, 2, 6),
+])
+def test_the_layout_computes_few_positions_the_output_drops(size, k, stride, dilation, pad, rows):
+    """Every image takes R x P flat positions (docstrings of taps.py), all computed by the GEMMs; the
+    MKL weight-gradient route is chosen on their ratio to the output's (conv.py's correlate)."""
+    out = (size + 2 * pad - (k - 1) * dilation - 1) // stride + 1
+    taps = Taps((2, 3, size, size), (k, k), (stride,) * 2, (dilation,) * 2, (pad,) * 4, (out, out), (1 << 20, 1))
+    assert (taps.rows, taps.pitch, taps.block) == (rows, rows, rows * rows)
+    assert out <= rows
+    if (size, k, stride, pad) == (32, 3, 1, 1):
+        assert round(taps.block / out ** 2, 2) == 1.06
+    if (size, k, stride, pad) == (8, 3, 1, 1):
+        assert round(taps.block / out ** 2, 2) == 1.27
+
+
+def test_chunks_hold_as_many_images_as_fit_one_threads_share_of_the_budget():
+    def chunking(budget, dtype, per_chunk=None):
+        taps = Taps((8, 4, 16, 16), (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), (16, 16), budget)
+        with option("images_per_chunk", per_chunk):
+            return taps.chunking(dtype, 16)
+
+    image = 16 * 17 * 17 * 4  # 16 channels of a float32 image in the layout (17 x 17 positions)
+    pairs, singles = [(i, i + 2) for i in range(0, 8, 2)], [(i, i + 1) for i in range(8)]
+    assert chunking((2 * 2 * image, 2), np.float32) == (pairs, 2)
+    assert chunking((2 * 2 * image, 2), np.float64) == (singles, 2)         # twice the bytes: half the images
+    assert chunking((2 * 2 * image - 1, 2), np.float32) == (singles, 2)     # a byte short of two
+    assert chunking((image // 2, 2), np.float32) == (singles, 2)            # less than one: still one image
+    assert chunking((1 << 30, 1), np.float32) == ([(0, 8)], 1)              # everything at once
+    assert chunking((1 << 30, 2), np.float32) == ([(0, 4), (4, 8)], 2)      # split over the threads
+    assert chunking((image // 2, 2), np.float32, per_chunk=4) == ([(0, 4), (4, 8)], 2)  # the option wins
+
+
+def test_the_input_buffer_is_zeroed_with_a_pitch_of_an_odd_multiple_of_64_bytes():
+    """The pitch of docs/performance.md (im2col.py's _row_pitch), and room for the taps' reach past the
+    last image."""
+    for dtype in (np.float32, np.float64):
+        taps = Taps((8, 4, 16, 16), (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), (16, 16), (1 << 20, 1))
+        buf, ld, views = taps.input_buffer(3, 2, dtype)
+        itemsize = np.dtype(dtype).itemsize
+        assert buf.dtype == dtype and buf.shape == (1, 3, ld) and not buf.any()
+        assert ld * itemsize % 128 == 64 and ld >= 2 * taps.block + taps.reach
+        assert [v.shape for v in views] == [(3, 2, 16, 16)]
+
+
+def extra_bytes(fn):
+    """Peak bytes fn() allocates (tracemalloc) beyond the arrays it returns."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        out = fn()
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    arrays = out if isinstance(out, tuple) else (out,)
+    return peak - sum(a.nbytes for a in arrays)
+
+
+def test_the_tap_passes_buffers_fill_the_cache_budget_and_stay_within_it():
+    """A chunk's buffers fit ``conv_cache_bytes`` (docs/performance.md) and take as many images as fit:
+    here two of the passes' 16 channels (c + o, or c + the Ct of ``times``), so each pass allocates two
+    images' worth (with the taps' reach and the rows' pitch on top), not one, not more, and nothing else
+    of an image's size (the weight-gradient pass no output); 28 channels (y and acc together): one."""
+    n, c, o, size = 8, 4, 12, 32
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, c, size, size)).astype(np.float32)
+    w = rng.standard_normal((o, c, 3, 3)).astype(np.float32)
+    gy = rng.standard_normal((n, o, size, size)).astype(np.float32)
+    budget = 2 * (c + o) * 33 * 33 * 4  # two float32 images of c + o channels in the layout (33 x 33 positions)
+    taps = Taps(x.shape, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1), (size, size), (budget, 1))
+    with option("images_per_chunk", None):
+        for fn in (lambda: tap_correlate(x, w, taps), lambda: tap_correlate(x, w, taps, times=gy, forward=False),
+                   lambda: tap_input_gradient(gy, w, taps)):
+            assert 0.8 * budget < extra_bytes(fn) < 1.2 * budget
+        assert extra_bytes(lambda: tap_correlate(x, w, taps, times=gy)) < 1.2 * budget

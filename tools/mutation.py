@@ -59,11 +59,30 @@ TARGETS = {
                      "test_spawn_checks_its_arguments_before_starting_anything",
                      "test_spawn_refuses_a_main_function_the_workers_cannot_import",
                      "test_spawn_as_root_without_the_variables_names_them",
-                     "test_spawn_refuses_inside_an_mpi_job")]),
+                     "test_spawn_refuses_inside_an_mpi_job",
+                     "test_spawn_sends_each_worker_the_job_and_returns_their_values_in_rank_order",
+                     "test_spawn_raises_the_first_failure_and_frees_the_workers_in_process",
+                     "test_spawn_bounds_the_start_and_the_run_in_process",
+                     "test_spawn_sets_path_for_the_spawn_call_only_in_process",
+                     "test_spawn_names_each_bad_argument_and_the_expected_one",
+                     "test_spawn_refuses_a_fn_from_an_interactive_main_naming_it",
+                     "test_spawn_tells_the_workers_how_to_import_the_main_module",
+                     "test_spawn_without_mpi4py_names_the_extra_to_install",
+                     "test_check_root_lets_a_user_through_and_names_each_missing_variable",
+                     "test_spawn_as_root_says_how_to_set_the_variables",
+                     "test_spawn_in_a_rank_of_an_mpi_job_says_where_to_call_fn",
+                     "test_runtime_path_is_none_unless_open_mpi_5_needs_a_prte",
+                     "test_loaded_libmpi_reads_the_library_from_the_process_maps")]),
     "progress": (["minidl/train/progress.py"],
                  ["tests/minidl/train/test_model.py", "tests/minidl/train/test_log_writers.py",
                   "tests/minidl/train/test_callbacks.py"]),
-    "model": (["minidl/train/model.py"], ["tests/minidl/train", "tests/minidl/nn/test_wrappers.py"]),
+    # Model's data-parallel paths (agreement on steps, sums over ranks, the broadcast) run in the
+    # parallel package's tests, on the in-process threads world.
+    "model": (["minidl/train/model.py"],
+              ["tests/minidl/train", "tests/minidl/nn/test_wrappers.py"]
+              + [f"tests/minidl_parallel/test_{t}.py" for t in (
+                  "agreement_checks", "checkpoint_agreement", "data_parallel_equivalence", "model_dist_options",
+                  "parallel_eval", "parallel_logs", "parameter_broadcast", "uneven_inputs")]),
     "sources": (["minidl/dataset/sources.py"],
                 ["tests/minidl/dataset/test_sources.py", "tests/minidl/dataset/test_sharding.py",
                  "tests/minidl/dataset/test_padding_validity.py"]),
@@ -140,9 +159,17 @@ def run(name, keep, stall_after=STALLED_MUTANT_S):
         (folder / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / f, folder / f)
     configure(folder, sources, tests)
+    # PyTorch's autograd engine deadlocks in a child forked after the parent used it, and mutmut forks
+    # each mutant's run from a process that ran the tests: the cross-checks with PyTorch would stall
+    # every mutant they reach. A stub that cannot be imported makes them skip (importorskip), as
+    # without the bench extra; the finite-difference checks still hold every op.
+    stub = folder / "_mutation_no_torch" / "torch"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text('raise ImportError("PyTorch is hidden from mutation runs (tools/mutation.py)")\n')
     # CI: the bounded hypothesis profile, as in CI. (Code that only the tests' subprocesses reach, mpirun's
     # ranks or the launcher's workers, shows as "no tests": mutmut maps tests to functions in its own process.)
-    env = dict(os.environ, CI="true")
+    env = dict(os.environ, CI="true",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(stub.parent), os.environ.get("PYTHONPATH")])))
     start = time.monotonic()
     finished = threading.Event()
     watchdog = threading.Thread(target=stop_stalled_mutants, args=(stall_after, finished), daemon=True)

@@ -126,7 +126,7 @@ def configure(folder, sources, tests):
     lines += ["also_copy =", "    minidl", "    minidl_parallel", "    tests", "    examples", "    benchmarks",
               "    pyproject.toml"]
     # tests of a stack location fail under mutmut's trampolines whatever the mutant (tests/conftest.py)
-    lines += ["pytest_add_cli_args =", "    -m", "    not call_site"]
+    lines += ["pytest_add_cli_args =", "    -m", "    not call_site", "    -p", "    _mutation_plugin"]
     with open(folder / "setup.cfg", "a") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -163,13 +163,21 @@ def run(name, keep, stall_after=STALLED_MUTANT_S):
     # each mutant's run from a process that ran the tests: the cross-checks with PyTorch would stall
     # every mutant they reach. A stub that cannot be imported makes them skip (importorskip), as
     # without the bench extra; the finite-difference checks still hold every op.
-    stub = folder / "_mutation_no_torch" / "torch"
-    stub.mkdir(parents=True)
-    (stub / "__init__.py").write_text('raise ImportError("PyTorch is hidden from mutation runs (tools/mutation.py)")\n')
+    support = folder / "_mutation_support"
+    (support / "torch").mkdir(parents=True)
+    (support / "torch" / "__init__.py").write_text(
+        'raise ImportError("PyTorch is hidden from mutation runs (tools/mutation.py)")\n')
+    # tqdm's default write lock is a multiprocessing semaphore, shared by every forked child: one
+    # child stopped while holding it stalls all the later ones. A thread lock is each child's own.
+    (support / "_mutation_plugin.py").write_text(
+        '"""Loaded into mutmut\'s pytest runs by tools/mutation.py: a per-process lock for tqdm."""\n'
+        "import threading\n\n"
+        "try:\n    import tqdm\nexcept ImportError:\n    pass\n"
+        "else:\n    tqdm.tqdm.set_lock(threading.RLock())\n")
     # CI: the bounded hypothesis profile, as in CI. (Code that only the tests' subprocesses reach, mpirun's
     # ranks or the launcher's workers, shows as "no tests": mutmut maps tests to functions in its own process.)
     env = dict(os.environ, CI="true",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(stub.parent), os.environ.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [str(support), os.environ.get("PYTHONPATH")])))
     start = time.monotonic()
     finished = threading.Event()
     watchdog = threading.Thread(target=stop_stalled_mutants, args=(stall_after, finished), daemon=True)

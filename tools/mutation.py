@@ -72,17 +72,23 @@ TARGETS = {
                      "test_spawn_as_root_says_how_to_set_the_variables",
                      "test_spawn_in_a_rank_of_an_mpi_job_says_where_to_call_fn",
                      "test_runtime_path_is_none_unless_open_mpi_5_needs_a_prte",
-                     "test_loaded_libmpi_reads_the_library_from_the_process_maps")]),
+                     "test_loaded_libmpi_reads_the_library_from_the_process_maps",
+                     "test_spawn_warns_when_the_workers_do_not_disconnect_in_process",
+                     "test_workers_still_running_after_a_failure_get_the_grace_then_are_named",
+                     "test_spawn_ends_its_local_workers_after_a_failure",
+                     "test_init_mpi_turns_fault_tolerance_on_in_this_process_only",
+                     "test_a_singleton_finds_the_pip_open_mpis_files_beside_the_interpreter")]),
     "progress": (["minidl/train/progress.py"],
                  ["tests/minidl/train/test_model.py", "tests/minidl/train/test_log_writers.py",
-                  "tests/minidl/train/test_callbacks.py"]),
+                  "tests/minidl/train/test_callbacks.py", "tests/minidl/train/test_progress.py"]),
     # Model's data-parallel paths (agreement on steps, sums over ranks, the broadcast) run in the
     # parallel package's tests, on the in-process threads world.
     "model": (["minidl/train/model.py"],
               ["tests/minidl/train", "tests/minidl/nn/test_wrappers.py"]
               + [f"tests/minidl_parallel/test_{t}.py" for t in (
                   "agreement_checks", "checkpoint_agreement", "data_parallel_equivalence", "model_dist_options",
-                  "parallel_eval", "parallel_logs", "parameter_broadcast", "uneven_inputs")]),
+                  "parallel_eval", "parallel_logs", "parameter_broadcast", "uneven_inputs",
+                  "model_step_agreement")]),
     "sources": (["minidl/dataset/sources.py"],
                 ["tests/minidl/dataset/test_sources.py", "tests/minidl/dataset/test_sharding.py",
                  "tests/minidl/dataset/test_padding_validity.py"]),

@@ -76,6 +76,27 @@ def test_loss_base_get_loss_weights_and_reduction_error():
         nn.SoftmaxCrossEntropyWithLogits(reduction="elementwise")
 
 
+def test_loss_base_defaults_to_the_mean_and_reduces_every_axis():
+    x = Tensor(np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 9.0]], np.float32))
+    base = nn.LossBase()
+    assert base.reduction == "mean" and base.get_loss(x).item() == pytest.approx(4.0)
+    assert base.get_axis(x) == (0, 1) and base.get_axis(Tensor(np.zeros((2, 1, 3)))) == (0, 1, 2)
+    assert base.get_axis(Tensor(np.float32(1.0))) == ()
+    y = Tensor(np.array([[0.0, 4.0, 3.0], [4.0, 2.0, 8.0]], np.float32))  # differences 1, -2, 0, 0, 3, 1
+    assert nn.MSELoss().reduction == "mean" and nn.MSELoss()(x, y).item() == pytest.approx(15 / 6)
+    assert nn.L1Loss().reduction == "mean" and nn.L1Loss()(x, y).item() == pytest.approx(7 / 6)
+
+
+def test_a_loss_without_construct_says_which_class_lacks_it():
+    class Hinge(nn.LossBase):
+        pass
+    x = Tensor(np.zeros(2, np.float32))
+    with pytest.raises(NotImplementedError, match=r"^LossBase: a loss must define construct\(self, logits, labels\)$"):
+        nn.LossBase()(x, x)
+    with pytest.raises(NotImplementedError, match=r"^Hinge: a loss must define construct\(self, logits, labels\)$"):
+        Hinge()(x, x)
+
+
 # -- SoftmaxCrossEntropyWithLogits -----------------------------------------------------
 
 @given(n=st.integers(1, 4), c=st.integers(2, 4), sparse=st.booleans(), reduction=reductions, data=st.data())
@@ -114,6 +135,13 @@ def test_one_hot_labels_with_sparse_true_suggest_sparse_false():
     with pytest.raises(TypeError, match=r"SparseSoftmaxCrossEntropyWithLogits: labels must be integer class indices, "
                                         r"got dtype float32$"):
         nn.SoftmaxCrossEntropyWithLogits(sparse=True)(Tensor(x), Tensor(np.array([1.0, 2.0], np.float32)))
+
+
+def test_sparse_labels_given_as_a_python_list_get_the_primitives_type_error():
+    x = Tensor(np.zeros((2, 3), np.float32))
+    with pytest.raises(TypeError, match=r"SparseSoftmaxCrossEntropyWithLogits: labels must be integer class indices, "
+                                        r"got list$"):
+        nn.SoftmaxCrossEntropyWithLogits(sparse=True)(x, [1, 0])
 
 
 # -- CrossEntropyLoss ------------------------------------------------------------------
@@ -242,6 +270,131 @@ def test_cross_entropy_device_labels_are_checked_on_the_host_when_asked(on_the_d
     assert np.isnan(nn.CrossEntropyLoss()(Tensor(np.zeros((3, 4))), Tensor(np.array([0, 7, -1]))).asnumpy())
 
 
+def test_cross_entropy_argument_errors_name_the_value():
+    with pytest.raises(ValueError, match=r"CrossEntropyLoss: weight must be 1-D \(one per class\), got shape \(2, 2\)"):
+        nn.CrossEntropyLoss(weight=np.ones((2, 2)))
+    for bad in (True, "0.1", -0.1, None):
+        with pytest.raises(ValueError, match=rf"CrossEntropyLoss: label_smoothing must be in \[0, 1\], got {bad!r}"):
+            nn.CrossEntropyLoss(label_smoothing=bad)
+    for bad in (1.5, True, None, "1"):
+        with pytest.raises(TypeError, match=rf"CrossEntropyLoss: ignore_index must be an int, got {bad!r}"):
+            nn.CrossEntropyLoss(ignore_index=bad)
+
+
+@pytest.mark.parametrize("s", [0.1, 1.0])
+def test_cross_entropy_label_smoothing_without_weight(s):
+    """Smoothing on its own (no weight), up to s = 1 (a uniform target), as PyTorch and MindSpore allow."""
+    x = np.random.default_rng(1).standard_normal((4, 3))
+    labels = np.array([0, 2, -100, 1])
+    for reduction in ("mean", "sum", "none"):
+        got = nn.CrossEntropyLoss(reduction=reduction, label_smoothing=s)(Tensor(x), Tensor(labels)).asnumpy()
+        np.testing.assert_allclose(got, ce_ref(x, labels, reduction=reduction, smoothing=s), rtol=1e-12)
+    if s == 1.0:  # every class weighs 1/C: the label does not matter, the ignored sample still counts nothing
+        per = nn.CrossEntropyLoss(reduction="none", label_smoothing=1)(Tensor(x), Tensor(labels)).asnumpy()
+        np.testing.assert_allclose(per, -log_softmax(x).mean(1) * [1, 1, 0, 1], rtol=1e-12)
+
+
+def test_cross_entropy_takes_python_lists_and_numbers():
+    x = np.random.default_rng(2).standard_normal((3, 4))
+    got = nn.CrossEntropyLoss(weight=[2.0, 1.0, 0.5, 1.0])(Tensor(x), [0, 3, 2]).item()
+    assert got == pytest.approx(ce_ref(x, np.array([0, 3, 2]), weight=[2.0, 1.0, 0.5, 1.0]), rel=1e-6)
+    assert nn.CrossEntropyLoss()(Tensor(x[0]), 3).item() == pytest.approx(-log_softmax(x[0])[3], rel=1e-12)
+
+
+def test_cross_entropy_one_class_with_an_ignored_sample():
+    """With C = 1 the only class index is 0: an ignored sample must not be looked up as any other."""
+    x, labels = Tensor(np.array([[0.5], [2.0], [-1.0]])), Tensor(np.array([0, -100, 0]))
+    np.testing.assert_array_equal(nn.CrossEntropyLoss(reduction="none")(x, labels).asnumpy(), [0.0, 0.0, 0.0])
+    assert nn.CrossEntropyLoss()(x, labels).item() == 0.0
+
+
+def test_cross_entropy_names_at_most_five_bad_labels(monkeypatch):
+    monkeypatch.setenv("MINIDL_CHECK_LABELS", "1")  # the device-pinned suite checks on the host too
+    with pytest.raises(ValueError, match=r"CrossEntropyLoss: labels \[-2, 3, 4, 5, 6\] are outside \[0, 3\) "
+                                         r"\(ignore_index=-100\)$"):
+        nn.CrossEntropyLoss()(Tensor(np.zeros((8, 3))), Tensor(np.array([9, 0, 8, 6, 5, 4, 3, -2])))
+
+
+def test_cross_entropy_refuses_0d_logits():
+    with pytest.raises(ValueError, match=r"^CrossEntropyLoss: logits must have a class dimension, got a 0-d tensor$"):
+        nn.CrossEntropyLoss()(Tensor(np.float32(1.0)), Tensor(np.array(0)))
+
+
+def test_cross_entropy_probability_labels_with_spatial_axes():
+    """(N, C, d) probabilities: the class axis is 1, so the target is moved like the logits."""
+    rng = np.random.default_rng(3)
+    x, raw = rng.standard_normal((2, 3, 4)), rng.random((2, 3, 4)) + 0.1
+    p = raw / raw.sum(1, keepdims=True)
+    for kw in ({}, {"weight": np.array([1.0, 2.0, 0.5])}, {"label_smoothing": 0.2}):
+        got = nn.CrossEntropyLoss(reduction="none", **kw)(Tensor(x), Tensor(p)).asnumpy()
+        want = ce_ref(x, p, kw.get("weight"), reduction="none", smoothing=kw.get("label_smoothing", 0.0))
+        assert got.shape == (2, 4)
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_cross_entropy_float32_stays_float32_with_ignored_samples_and_probabilities():
+    x = np.random.default_rng(4).standard_normal((4, 3)).astype(np.float32)
+    labels = np.array([0, -100, 2, 1])
+    p = np.eye(3, dtype=np.float32)[[0, 1, 2, 1]] * 0.8 + 0.2 / 3
+    for reduction in ("mean", "none"):
+        for y, want in ((labels, ce_ref(x.astype(np.float64), labels, reduction=reduction)),
+                        (p, ce_ref(x.astype(np.float64), p.astype(np.float64), reduction=reduction))):
+            got = nn.CrossEntropyLoss(reduction=reduction)(Tensor(x), Tensor(y))
+            assert got.dtype == np.float32, (reduction, y.dtype, got.dtype)
+            np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-5)
+
+
+def test_cross_entropy_refuses_blocks_naming_the_tensor_and_both_shapes():
+    """Under tensor parallelism a cut logits or labels tensor would give a silently wrong loss."""
+    from minidl_parallel import Layout, redistribute, run_threads
+
+    def rank():
+        x, y = Tensor(np.zeros((4, 3))), Tensor(np.array([0, 1, 2, 0]))
+        messages = []
+        for logits, labels in ((redistribute(x, Layout((2,), (0, None))), y), (x, redistribute(y, Layout((2,), (0,))))):
+            with pytest.raises(ValueError) as error:
+                nn.CrossEntropyLoss()(logits, labels)
+            messages.append(str(error.value))
+        return messages
+    for logits_error, labels_error in run_threads(2, rank, timeout=60):
+        assert logits_error == ("CrossEntropyLoss: logits of logical shape (4, 3) is cut across ranks (this rank "
+                                "holds (2, 3)); CrossEntropyLoss builds arrays from local data and cannot run on "
+                                "blocks: use nn.SoftmaxCrossEntropyWithLogits, or dataset_strategy='full_batch' with "
+                                "whole logits")
+        assert labels_error.startswith("CrossEntropyLoss: labels of logical shape (4,) is cut across ranks (this "
+                                       "rank holds (2,));")
+
+
+def test_cross_entropy_on_the_device_takes_host_labels_and_host_arrays(on_the_double):
+    """Device logits with NumPy labels run on the device; NumPy logits and labels (not Tensors)
+    run where they are, also with a weight, though the context is the GPU."""
+    cupy = on_the_double
+    x, labels = np.random.default_rng(5).standard_normal((5, 3)), np.array([0, 2, 1, 2, 0])
+    p, w = np.eye(3)[labels] * 0.7 + 0.1, np.array([1.0, 2.0, 3.0])
+    for kw in ({}, {"weight": w}, {"label_smoothing": 0.1}):
+        want = ce_ref(x, labels, kw.get("weight"), smoothing=kw.get("label_smoothing", 0.0))
+        for logits in (Tensor(x), Tensor(x).data):  # a device Tensor or a bare device array
+            got = nn.CrossEntropyLoss(**kw)(logits, labels)
+            assert isinstance(got.data, cupy.ndarray)
+            assert got.item() == pytest.approx(want, rel=1e-12)
+        assert nn.CrossEntropyLoss(**kw)(x, labels).item() == pytest.approx(want, rel=1e-12)
+    got = nn.CrossEntropyLoss(weight=w)(x, p).item()
+    assert got == pytest.approx(ce_ref(x, p, w), rel=1e-12)
+    # host logits with device labels: minidl's error naming both devices, not CuPy's refusal to copy
+    for kw, y in (({}, labels), ({"weight": w}, labels), ({}, p)):
+        with pytest.raises(TypeError, match=r"inputs on two devices: on the host \(NumPy\): .*; on the GPU \(CuPy\): "):
+            nn.CrossEntropyLoss(**kw)(x, Tensor(y))
+
+
+def test_cross_entropy_weighted_mean_on_the_device(on_the_double):
+    """The mean divides by the summed weights of the samples' classes, the first and last class included."""
+    x = np.random.default_rng(6).standard_normal((5, 3))
+    labels, w = np.array([0, 2, 1, 2, 0]), np.array([1.0, 2.0, 4.0])
+    for s in (0.0, 0.1):
+        got = nn.CrossEntropyLoss(weight=w, label_smoothing=s)(Tensor(x), Tensor(labels)).item()
+        assert got == pytest.approx(ce_ref(x, labels, w, smoothing=s), rel=1e-12)
+
+
 # ---- NLLLoss -------------------------------------------------------------------------------------
 
 @given(reduction=reductions, weighted=st.booleans(), seed=st.integers(0, 2**16))
@@ -267,3 +420,13 @@ def test_nll_loss_cell_arguments():
         nn.NLLLoss(reduction="avg")
     with pytest.raises(ValueError, match=r"NLLLoss: weight must be 1-D \(one per class\), got shape \(2, 2\)"):
         nn.NLLLoss(weight=np.ones((2, 2)))
+
+
+def test_nll_loss_cell_passes_ignore_index_on_and_takes_a_weight_list():
+    logp = np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.8, 0.1], [0.2, 0.2, 0.6]]))
+    labels = Tensor(np.array([0, 1, 2]))
+    assert nn.NLLLoss(ignore_index=1)(Tensor(logp), labels).item() == pytest.approx(-(np.log(0.5) + np.log(0.6)) / 2)
+    assert nn.NLLLoss(ignore_index=0, reduction="sum")(Tensor(logp), labels).item() == \
+        pytest.approx(-(np.log(0.8) + np.log(0.6)))
+    got = nn.NLLLoss(weight=[2.0, 1.0, 0.5])(Tensor(logp), labels).item()
+    assert got == pytest.approx(-(2 * np.log(0.5) + np.log(0.8) + 0.5 * np.log(0.6)) / 3.5, rel=1e-6)

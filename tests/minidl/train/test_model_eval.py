@@ -12,6 +12,18 @@ from minidl.train import Accuracy, Callback, Loss, Metric, Model
 from .helpers import FakeSlices, Rank, blobs, ce_loss, mlp, momentum, slices
 
 
+class EvalNet(nn.Cell):
+    """An eval network over ``net``: it returns ``outputs(logits, label, loss)`` (the cross-entropy loss)."""
+
+    def __init__(self, net, outputs):
+        super().__init__(auto_prefix=False)
+        self.net, self.loss, self.outputs = net, ce_loss(), outputs
+
+    def construct(self, data, label):
+        logits = self.net(data)
+        return self.outputs(logits, label, self.loss(logits, label))
+
+
 class Grab(Callback):
     """Records, at every eval hook, (hook, a copy of cb_params)."""
 
@@ -121,15 +133,7 @@ def test_eval_hooks_see_the_eval_network_when_there_is_one():
     x, y = blobs(n=8)
     net = mlp()
 
-    class EvalNet(nn.Cell):
-        def __init__(self):
-            super().__init__(auto_prefix=False)
-            self.net = net
-
-        def construct(self, data, label):
-            return self.net(data), label
-
-    eval_net = EvalNet()
+    eval_net = EvalNet(net, lambda logits, label, loss: (logits, label))
     grab = Grab()
     Model(net, None, metrics={"acc": Accuracy()}, eval_network=eval_net).eval(slices((x, y), ["x", "y"], 4),
                                                                               callbacks=[grab])
@@ -189,19 +193,12 @@ def test_the_loss_is_the_mean_per_sample_over_uneven_batches(kind):
     net = mlp()
     ds = slices((x, y), ["x", "y"], 4) if kind == "dataset" else Columns(_batches((x, y), 4), ["x", "y"])
 
-    class LossNet(nn.Cell):
-        def __init__(self):
-            super().__init__(auto_prefix=False)
-            self.net, self.loss = net, ce_loss()
-
-        def construct(self, data, label):
-            return self.loss(self.net(data), label)  # one Tensor, not a tuple
-
     want = _per_sample_loss(net, x, y)
     batch_means = np.mean([_per_sample_loss(net, bx, by) for bx, by in _batches((x, y), 4)])
     assert abs(batch_means - want) > 1e-3  # the mean of the batch means would differ
     assert Model(net, ce_loss(), metrics={"loss"}).eval(ds)["loss"] == pytest.approx(want, rel=1e-6)
-    got = Model(net, None, metrics={"loss": Loss()}, eval_network=LossNet()).eval(ds)
+    loss_net = EvalNet(net, lambda logits, label, loss: loss)  # one Tensor, not a tuple
+    got = Model(net, None, metrics={"loss": Loss()}, eval_network=loss_net).eval(ds)
     assert got["loss"] == pytest.approx(want, rel=1e-6)
 
 
@@ -209,15 +206,8 @@ def test_an_eval_network_without_eval_indexes_passes_all_its_outputs_to_every_me
     x, y = blobs(n=10)
     net = mlp()
 
-    class LogitsLabel(nn.Cell):
-        def __init__(self):
-            super().__init__(auto_prefix=False)
-            self.net = net
-
-        def construct(self, data, label):
-            return [self.net(data), label]
-
-    got = Model(net, None, metrics={"acc": Accuracy()}, eval_network=LogitsLabel()).eval(
+    logits_label = EvalNet(net, lambda logits, label, loss: [logits, label])
+    got = Model(net, None, metrics={"acc": Accuracy()}, eval_network=logits_label).eval(
         slices((x, y), ["x", "y"], 4))
     assert got["acc"] == pytest.approx(float((net(Tensor(x)).asnumpy().argmax(1) == y).mean()))
 
@@ -255,18 +245,10 @@ def test_metrics_with_their_own_indexes_get_those_outputs():
     x, y = blobs(n=10)
     net = mlp()
 
-    class EvalNet(nn.Cell):
-        def __init__(self):
-            super().__init__(auto_prefix=False)
-            self.net, self.loss = net, ce_loss()
-
-        def construct(self, data, label):
-            logits = self.net(data)
-            return label, self.loss(logits, label), logits
-
+    eval_net = EvalNet(net, lambda logits, label, loss: (label, loss, logits))
     metrics = {"acc": Accuracy().set_indexes([2, 0]), "loss": Loss().set_indexes([1])}
     for ds in (slices((x, y), ["x", "y"], 4), Columns(_batches((x, y), 4), ["x", "y"])):
-        got = Model(net, None, metrics=metrics, eval_network=EvalNet()).eval(ds)
+        got = Model(net, None, metrics=metrics, eval_network=eval_net).eval(ds)
         assert got["acc"] == pytest.approx(float((net(Tensor(x)).asnumpy().argmax(1) == y).mean()))
         assert got["loss"] == pytest.approx(_per_sample_loss(net, x, y), rel=1e-6)  # weighed by rows
 
@@ -274,24 +256,15 @@ def test_metrics_with_their_own_indexes_get_those_outputs():
 def test_eval_indexes_beyond_the_eval_networks_outputs():
     x, y = blobs(n=8)
     net = mlp()
-
-    class EvalNet(nn.Cell):
-        def __init__(self):
-            super().__init__(auto_prefix=False)
-            self.net, self.loss = net, ce_loss()
-
-        def construct(self, data, label):
-            logits = self.net(data)
-            return self.loss(logits, label), logits, label
-
+    eval_net = EvalNet(net, lambda logits, label, loss: (loss, logits, label))
     ds = slices((x, y), ["x", "y"], 4)
     with pytest.raises(ValueError, match=r"^Model\.eval: eval_indexes \[0, 1, 3\] need at least 4 outputs from the "
                                          r"eval network, got 3$"):
-        Model(net, None, metrics={"accuracy"}, eval_network=EvalNet(), eval_indexes=[0, 1, 3]).eval(ds)
+        Model(net, None, metrics={"accuracy"}, eval_network=eval_net, eval_indexes=[0, 1, 3]).eval(ds)
     with pytest.raises(ValueError, match=r"^Model\.eval: eval_indexes \[2, 5, 0\] need at least 6 outputs from the "
                                          r"eval network, got 3$"):
-        Model(net, None, metrics={"accuracy"}, eval_network=EvalNet(), eval_indexes=[2, 5, 0]).eval(ds)
-    got = Model(net, None, metrics={"accuracy", "loss"}, eval_network=EvalNet(), eval_indexes=[0, 1, 2]).eval(ds)
+        Model(net, None, metrics={"accuracy"}, eval_network=eval_net, eval_indexes=[2, 5, 0]).eval(ds)
+    got = Model(net, None, metrics={"accuracy", "loss"}, eval_network=eval_net, eval_indexes=[0, 1, 2]).eval(ds)
     assert got["loss"] == pytest.approx(_per_sample_loss(net, x, y), rel=1e-6)
 
 

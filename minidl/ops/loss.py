@@ -25,6 +25,7 @@ from .activation import LogSoftmax
 from .math import Mul, Neg, RealDiv, Square, Sub
 from .primitive import Primitive
 from .reduce import ReduceMean, ReduceSum
+from .selection import Select
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -270,7 +271,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         # The common case (N, C) with plain labels: the fused primitive, no (N, C) target.
         per = SparseSoftmaxCrossEntropyWithLogits()(input, safe)
         if xp is not numpy or not bool(valid.all()):  # on the GPU masking costs less than asking
-            per = Mul()(per, valid.astype(dtype))
+            per = Select()(valid, per, 0.0)  # an ignored row's loss may be inf (a -inf logit): never 0 * inf
         return _reduce(per, reduction, valid.sum(), xp, dtype)
     # Weighted or smoothed or N-d: loss = -sum_c T[c] * log p[c] with a constant target T.
     classes = xp.arange(n_classes).reshape(at_class_axis)
@@ -282,7 +283,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     target_p = target_p * xp.expand_dims(valid, axis).astype(dtype)
     if xp is not numpy:  # an out-of-range label matches no class: make its loss NaN, never silently 0
         target_p = _nan_where_out_of_range(xp, target_p, xp.expand_dims(t, axis), n_classes, ignore_index)
-    per = Neg()(ReduceSum()(Mul()(LogSoftmax(axis)(input), target_p), axis))
+    # a class of target weight 0 adds 0, also where its log-probability is -inf (a masked logit)
+    log_p = Select()(target_p != 0, LogSoftmax(axis)(input), 0.0)
+    per = Neg()(ReduceSum()(Mul()(log_p, target_p), axis))
     denominator = valid.sum() if w is None else (w[safe] * valid).sum()
     return _reduce(per, reduction, denominator, xp, dtype)
 
@@ -345,6 +348,8 @@ class NLLLoss(Primitive):
         self.picked = xp.expand_dims(safe, axis)
         w = valid.astype(dtype) if weight is None else weight.astype(dtype, copy=False)[safe] * valid
         self.w_picked = w
+        # an ignored target counts nothing, also where its log-probabilities hold -inf (never 0 * -inf)
+        x = xp.where(xp.expand_dims(valid, axis), x, 0)
         per = -(w * xp.take_along_axis(x, self.picked, axis).reshape(batch_shape))
         s = self.label_smoothing
         if s:

@@ -1,5 +1,7 @@
 """Softmax cross-entropy primitives, NLLLoss, cross_entropy, nll_loss and mse_loss: forward vs NumPy,
 gradients, errors."""
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -351,3 +353,239 @@ def test_nll_loss_errors(monkeypatch):
         ops.NLLLoss(ignore_index=None)
     with pytest.raises(ValueError, match=r"NLLLoss: inputs must have a class dimension"):
         ops.nll_loss(Tensor(np.array(1.0)), Tensor(np.array(0)))
+
+
+# ---- edge cases: stability, arguments that are not arrays, boundary labels, dtypes ---------------
+
+def test_dense_and_reference_log_softmax_shift_each_row_by_its_own_max():
+    """Logits far apart between rows (float32): shifting by anything but each row's max (or adding
+    it) overflows or underflows exp. The sparse op's reference body (the one the GPU runs) too."""
+    from minidl import kernels
+    x = np.array([[1e4, -1e4, 0.0], [-3e4, -3e4, -3e4]], np.float32)
+    onehot = np.eye(3, dtype=np.float32)[[1, 0]]
+    dense = ops.softmax_cross_entropy(Tensor(x), Tensor(onehot)).asnumpy()
+    np.testing.assert_allclose(dense, [2e4, np.log(3.0)], rtol=1e-6)
+    with kernels.reference_only():
+        sparse = ops.sparse_softmax_cross_entropy(Tensor(x), Tensor(np.array([1, 0]))).asnumpy()
+    np.testing.assert_allclose(sparse, [2e4, np.log(3.0)], rtol=1e-6)
+
+
+def test_inputs_that_are_not_arrays_get_the_ops_own_errors():
+    """A Python scalar or list where an array belongs: the op's ValueError/TypeError with the
+    shape () or the type it got, never an AttributeError from inside the op."""
+    x = Tensor(np.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"SoftmaxCrossEntropyWithLogits: logits must be 2-D \(N, C\), "
+                                         r"got shape \(\)$"):
+        ops.softmax_cross_entropy(1.0, Tensor(np.zeros((2, 3))))
+    with pytest.raises(ValueError, match=r"SoftmaxCrossEntropyWithLogits: labels of shape \(\) must match "
+                                         r"logits of shape \(2, 3\)"):
+        ops.softmax_cross_entropy(x, 1.0)
+    with pytest.raises(TypeError, match=r"SparseSoftmaxCrossEntropyWithLogits: labels must be integer class "
+                                        r"indices, got list$"):
+        ops.sparse_softmax_cross_entropy(x, [0, 1])
+    with pytest.raises(ValueError, match=r"cross_entropy: input must have a class dimension, got shape \(\)$"):
+        ops.cross_entropy(1.0, Tensor(np.array(0)))
+    with pytest.raises(ValueError, match=r"NLLLoss: inputs must have a class dimension, got shape \(\)$"):
+        ops.nll_loss(1.0, Tensor(np.array(0)))
+    with pytest.raises(ValueError, match=r"NLLLoss: weight of shape \(\) must be \(3,\)"):
+        ops.nll_loss(x, Tensor(np.array([0, 1])), 2.0)
+
+
+def test_labels_whose_dtype_is_not_numpys_are_refused_by_name():
+    """An array-like from another library (its dtype has no NumPy ``kind``, as a torch tensor's)."""
+    class ForeignLabels:
+        dtype, shape, size = "int64", (2, 3), 6
+
+    with pytest.raises(TypeError, match=r"SparseSoftmaxCrossEntropyWithLogits: labels must be integer class "
+                                        r"indices, got dtype int64$"):
+        ops.sparse_softmax_cross_entropy(Tensor(np.zeros((2, 3))), ForeignLabels())
+
+
+def test_integer_or_1d_logits_are_refused_naming_what_was_given():
+    xi = Tensor(np.zeros((2, 3), np.int64))
+    t = Tensor(np.array([0, 1]))
+    with pytest.raises(TypeError, match=r"SoftmaxCrossEntropyWithLogits: logits must be a float tensor, "
+                                        r"got dtype int64$"):
+        ops.softmax_cross_entropy(xi, Tensor(np.zeros((2, 3))))
+    with pytest.raises(TypeError, match=r"SparseSoftmaxCrossEntropyWithLogits: logits must be a float tensor, "
+                                        r"got dtype int64$"):
+        ops.sparse_softmax_cross_entropy(xi, t)
+    with pytest.raises(ValueError, match=r"SparseSoftmaxCrossEntropyWithLogits: logits must be 2-D \(N, C\), "
+                                         r"got shape \(3,\)"):
+        ops.sparse_softmax_cross_entropy(Tensor(np.zeros(3)), Tensor(np.array(0)))
+    with pytest.raises(TypeError, match=r"cross_entropy: input must be float logits, got dtype int64$"):
+        ops.cross_entropy(xi, t)
+    with pytest.raises(TypeError, match=r"NLLLoss: inputs must be float log-probabilities, got dtype int64$"):
+        ops.nll_loss(xi, t)
+
+
+def test_label_smoothing_and_ignore_index_must_be_numbers_not_bools():
+    x, t = Tensor(np.zeros((2, 3))), Tensor(np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"cross_entropy: label_smoothing must be in \[0, 1\], got True"):
+        ops.cross_entropy(x, t, label_smoothing=True)
+    for bad in (None, True):
+        with pytest.raises(TypeError, match=rf"cross_entropy: ignore_index must be an int, got {bad}"):
+            ops.cross_entropy(x, t, ignore_index=bad)
+    with pytest.raises(TypeError, match=r"NLLLoss: label_smoothing must be a float, got True"):
+        ops.NLLLoss(label_smoothing=True)
+
+
+def test_label_smoothing_one_is_a_uniform_target():
+    """s = 1 is allowed (the interval is closed): the target is 1/C for every class."""
+    x = np.random.default_rng(5).standard_normal((3, 4))
+    t = np.array([0, 3, 1])
+    want = -np_log_softmax(x, 1).mean(axis=1).mean()
+    np.testing.assert_allclose(ops.cross_entropy(Tensor(x), Tensor(t), label_smoothing=1.0).item(), want,
+                               rtol=1e-12)
+    np.testing.assert_allclose(ops.nll_loss(Tensor(np_log_softmax(x, 1)), Tensor(t), label_smoothing=1).item(),
+                               want, rtol=1e-12)
+
+
+def test_unsigned_integer_labels():
+    x = np.random.default_rng(6).standard_normal((4, 3))
+    t = np.array([0, 2, 1, 2], np.uint8)
+    want = -np_log_softmax(x, 1)[np.arange(4), t]
+    np.testing.assert_allclose(ops.sparse_softmax_cross_entropy(Tensor(x), Tensor(t)).asnumpy(), want, rtol=1e-12)
+    np.testing.assert_allclose(ops.cross_entropy(Tensor(x), Tensor(t), reduction="none").asnumpy(), want,
+                               rtol=1e-12)
+    np.testing.assert_allclose(ops.nll_loss(Tensor(np_log_softmax(x, 1)), Tensor(t), reduction="none").asnumpy(),
+                               want, rtol=1e-12)
+
+
+def test_the_first_of_several_out_of_range_labels_is_named(monkeypatch):
+    monkeypatch.setenv("MINIDL_CHECK_LABELS", "1")  # the device-pinned suite checks on the host too
+    with pytest.raises(ValueError, match=r"cross_entropy: label 5 is out of range for 3 classes "
+                                         r"\(expected 0 <= label < 3\)"):
+        ops.cross_entropy(Tensor(np.zeros((3, 3))), Tensor(np.array([0, 5, -2])))
+
+
+def test_cross_entropy_one_class_with_an_ignored_sample():
+    """With one class every loss is 0; an ignored sample must not be looked up as any other class."""
+    x = Tensor(np.array([[0.5], [-1.0], [2.0]]), requires_grad=True)
+    loss = ops.cross_entropy(x, Tensor(np.array([0, -100, 0])))
+    assert loss.item() == 0.0
+    loss.backward()
+    np.testing.assert_array_equal(x.grad.asnumpy(), np.zeros((3, 1)))
+    assert ops.cross_entropy(Tensor(np.array([[0.5]])), Tensor(np.array([[1.0]]))).item() == 0.0  # one sample
+
+
+def test_cross_entropy_weight_given_as_a_list():
+    x = np.random.default_rng(7).standard_normal((3, 4))
+    t = np.array([0, 3, 1])
+    w = [1.0, 2.0, 0.5, 1.5]
+    got = ops.cross_entropy(Tensor(x), Tensor(t), weight=w).item()
+    np.testing.assert_allclose(got, np_cross_entropy(x, t, np.array(w)), rtol=1e-12)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_class_axis_in_the_middle_with_weights_and_smoothing(reduction):
+    """(N, C, d) inputs, C != d: the class weights and the smoothing broadcast along axis 1."""
+    rng = np.random.default_rng(8)
+    x, w = rng.standard_normal((2, 3, 2)), np.array([0.5, 2.0, 1.0])
+    t = np.array([[0, 2], [1, -100]])
+    p = rng.random((2, 3, 2))
+    check_op(lambda x: ops.nll_loss(x, Tensor(t), Tensor(w), reduction=reduction, label_smoothing=0.2), [x],
+             reference=lambda x: np_nll(x, t, w, reduction=reduction, s=0.2))
+    check_op(lambda x: ops.cross_entropy(x, Tensor(t), w, reduction=reduction), [x],
+             reference=lambda x: np_cross_entropy(x, t, w, reduction=reduction))
+    check_op(lambda x: ops.cross_entropy(x, Tensor(p), w, reduction=reduction), [x],
+             reference=lambda x: np_cross_entropy(x, p, w, reduction=reduction))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_float32_probability_targets(reduction):
+    rng = np.random.default_rng(9)
+    x, p = rng.standard_normal((3, 4)).astype(np.float32), rng.random((3, 4)).astype(np.float32)
+    got = ops.cross_entropy(Tensor(x), Tensor(p), reduction=reduction)
+    assert got.dtype == np.float32
+    want = np_cross_entropy(x.astype(np.float64), p.astype(np.float64), reduction=reduction)
+    np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-5)
+
+
+def test_float32_gradients_stay_float32():
+    rng = np.random.default_rng(10)
+    x = Tensor(rng.standard_normal((3, 4)).astype(np.float32), requires_grad=True)
+    p = Tensor(rng.random((3, 4)).astype(np.float32), requires_grad=True)
+    ops.softmax_cross_entropy(x, p).sum().backward()
+    assert x.grad.dtype == np.float32 and p.grad.dtype == np.float32
+    lp = Tensor(np_log_softmax(rng.standard_normal((3, 4)), 1).astype(np.float32), requires_grad=True)
+    ops.nll_loss(lp, Tensor(np.array([0, 3, 1])), label_smoothing=0.1).backward()
+    assert lp.grad.dtype == np.float32
+
+
+def test_device_labels_at_the_class_boundaries_match_numpy(on_the_double):
+    """On the GPU path (labels unchecked): labels 0 and C-1 give NumPy's values, labels C, -1 and
+    below -C give NaN, an ignored label gives 0, and no other sample changes."""
+    x = np.random.default_rng(11).standard_normal((6, 4))
+    logp = np_log_softmax(x, 1)
+    t = np.array([0, 3, 4, -1, -7, 2])
+    good, bad = [0, 1, 5], [2, 3, 4]
+    softmax_minus_onehot = np.exp(logp) - np.eye(4)[np.clip(t, 0, 3)]
+
+    xt = Tensor(x, requires_grad=True)
+    loss = ops.sparse_softmax_cross_entropy(xt, Tensor(t))
+    loss.sum().backward()
+    got, g = loss.asnumpy(), xt.grad.asnumpy()
+    np.testing.assert_allclose(got[good], -logp[good, t[good]], rtol=1e-12)
+    np.testing.assert_allclose(g[good], softmax_minus_onehot[good], rtol=1e-12, atol=1e-15)
+    assert np.isnan(got[bad]).all() and np.isnan(g[bad]).all()
+
+    ti = t.copy()
+    ti[5] = -100  # ignored
+    counted = np.where(ti == -100, -100, np.clip(ti, 0, 3))  # the reference needs labels in range
+    for got, want in ((ops.cross_entropy(Tensor(x), Tensor(ti), reduction="none", label_smoothing=0.1),
+                       np_cross_entropy(x, counted, reduction="none", s=0.1)),
+                      (ops.nll_loss(Tensor(logp), Tensor(ti), reduction="none"),
+                       np_nll(logp, counted, reduction="none"))):
+        got = got.asnumpy()
+        np.testing.assert_allclose(got[[0, 1, 5]], want[[0, 1, 5]], rtol=1e-12)
+        assert got[5] == 0.0 and np.isnan(got[bad]).all()
+    with np.errstate(invalid="ignore"):
+        assert np.isnan(ops.nll_loss(Tensor(logp), Tensor(ti), reduction="sum").item())
+
+
+def test_on_the_device_host_labels_are_uploaded(on_the_double):
+    x = np.random.default_rng(12).standard_normal((3, 4))
+    t = np.array([0, 3, 1])
+    got = ops.cross_entropy(Tensor(x), t).item()
+    np.testing.assert_allclose(got, np_cross_entropy(x, t), rtol=1e-12)
+
+
+def test_on_the_device_logits_and_labels_on_two_devices_are_refused(on_the_double):
+    """Either input left on the host (a NumPy array): the error that names both devices, never a
+    loss computed half on the host."""
+    x, t = np.random.default_rng(13).standard_normal((3, 4)), np.array([0, 3, 1])
+    for name, call in (("SparseSoftmaxCrossEntropyWithLogits", lambda: ops.sparse_softmax_cross_entropy(Tensor(x), t)),
+                       ("SparseSoftmaxCrossEntropyWithLogits", lambda: ops.sparse_softmax_cross_entropy(x, Tensor(t))),
+                       ("SparseSoftmaxCrossEntropyWithLogits", lambda: ops.cross_entropy(x, Tensor(t))),
+                       ("NLLLoss", lambda: ops.nll_loss(x, Tensor(t))),
+                       ("NLLLoss", lambda: ops.nll_loss(Tensor(x), t))):
+        with pytest.raises(TypeError, match=rf"{name}: inputs on two devices: on the host \(NumPy\): "):
+            call()
+
+
+def test_masked_logits_and_ignored_targets_give_pytorchs_finite_losses():
+    """A -inf logit (a masked class) or a log-probability of -inf: a class with target weight 0,
+    or an ignored sample, contributes exactly 0 (never 0 * inf = NaN), in value and gradient."""
+    lg = np.array([[-np.inf, 1.0, 2.0], [0.1, -np.inf, 0.3], [0.5, 0.2, -np.inf]])
+    t = np.array([-100, 2, 0])
+    finite = np.where(np.isinf(lg), -1e30, lg)  # the same softmax without infinities
+    for kw in ({}, {"weight": [0.5, 2.0, 1.0]}):
+        w = np.array(kw.get("weight", np.ones(3)))
+        want = np_cross_entropy(finite, t, w)
+        x = Tensor(lg, requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # nor a 0 * inf warning on the way
+            loss = ops.cross_entropy(x, Tensor(t), **kw)
+            loss.backward()
+        np.testing.assert_allclose(loss.item(), want, rtol=1e-12)
+        assert np.isfinite(x.grad.asnumpy()).all()
+        with np.errstate(divide="ignore"):
+            logp = np.log(np.exp(np_log_softmax(finite, 1)))  # -inf at the masked classes
+        lp = Tensor(logp, requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            loss = ops.nll_loss(lp, Tensor(t), Tensor(w))
+            loss.backward()
+        np.testing.assert_allclose(loss.item(), want, rtol=1e-12)
+        assert np.isfinite(lp.grad.asnumpy()).all()

@@ -31,6 +31,7 @@ import glob
 import importlib.util
 import os
 import sys
+import warnings
 
 import numpy
 
@@ -55,6 +56,7 @@ _BLOCKTIME_MS = "1"  # KMP_BLOCKTIME's default here (see the module docstring)
 _OPENBLAS_NAMES = (("scipy_cblas_", "64_", ctypes.c_int64), ("cblas_", "64_", ctypes.c_int64),
                    ("cblas_", "", ctypes.c_int))
 _found = {}  # library name -> {dtype char: ctypes gemm} ({} when that library is absent)
+_refused = {}  # library name -> why it was found but not used
 _set_local = {}  # library name -> its thread-local "n threads" setter (returns the previous setting)
 _blas_int = {}  # library name -> its BLAS integer type (ctypes)
 _numba = importlib.util.find_spec("numba") is not None
@@ -110,12 +112,45 @@ def load(name):
                 lib.MKL_Set_Threading_Layer(_MKL_INTEL_THREADS)
                 lib.MKL_Set_Num_Threads(1)  # threads come per call (matmul's threads), thread-locally
                 fns = _bind(lib, "cblas_", "", ctypes.c_int)  # mkl_rt's default interface is LP64
+                if fns and not _products_agree(fns, lib.MKL_Set_Num_Threads_Local):
+                    # Seen with PyTorch imported first: its MKL's symbols, already in the process, take
+                    # the place of some of this one's, and GEMMs come out wrong. Never silently wrong.
+                    _refused[name] = (f"MKL ({path}) was loaded after another copy of MKL in this process "
+                                      f"(e.g. PyTorch's, when torch is imported before minidl's kernels "
+                                      f"first run) and its GEMMs disagree with NumPy's")
+                    warnings.warn(f"minidl: {_refused[name]}; the CPU kernels use NumPy's OpenBLAS instead "
+                                  f"(import minidl's kernels first, or set MINIDL_BLAS=openblas)", RuntimeWarning,
+                                  stacklevel=2)
+                    fns = {}
                 if fns:
                     _set_local[name] = lib.MKL_Set_Num_Threads_Local
                     _blas_int[name] = ctypes.c_int
                     break
         _found[name] = fns
     return _found[name]
+
+
+def _products_agree(fns, set_local_threads):
+    """Whether each bound GEMM computes ``C = A @ B + C`` and ``A @ B.T + C`` as NumPy does, on one
+    thread and on two (the library's own), on small products (checked once, when it is loaded)."""
+    rng = numpy.random.default_rng(0)
+    for threads in (1, 2):
+        previous = set_local_threads(threads)
+        try:
+            for char, fn in fns.items():
+                for m, n, k in ((5, 7, 6), (8, 32, 20), (32, 32, 32)):
+                    for trans_b in (False, True):
+                        a = rng.standard_normal((m, k)).astype(char)
+                        b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(char)
+                        c = rng.standard_normal((m, n)).astype(char)
+                        want = a.astype("d") @ (b.T if trans_b else b).astype("d") + c
+                        fn(_ROW_MAJOR, _NO_TRANS, _TRANS if trans_b else _NO_TRANS, m, n, k, 1.0, a.ctypes.data, k,
+                           b.ctypes.data, b.shape[1], 1.0, c.ctypes.data, n)
+                        if not numpy.allclose(c, want, rtol=1e-4, atol=1e-4):
+                            return False
+        finally:
+            set_local_threads(previous)
+    return True
 
 
 def library():
@@ -125,6 +160,9 @@ def library():
         if choice not in ("mkl", "openblas"):
             raise ValueError(f"kernels option blas must be 'mkl', 'openblas' or None, got {choice!r}")
         if not load(choice):
+            if choice in _refused:
+                raise RuntimeError(f"kernels option blas={choice!r}, but {_refused[choice]}: set blas='openblas' "
+                                   f"or None, or import minidl's kernels before torch")
             raise RuntimeError(f"kernels option blas={choice!r}, but it was not found"
                                + (": pip install 'minidl[mkl]'" if choice == "mkl" else f" ({intra_op.blas_status()})"))
         return choice

@@ -1,6 +1,10 @@
 """blas.py's direct GEMM: finding and binding each library (afresh, not from the process's first
 load), gemm's defaults, and which views matmul takes as they lie (the rest it leaves to NumPy)."""
+import ctypes
 import importlib.metadata
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -115,3 +119,54 @@ def test_matmul_takes_the_views_blas_can_and_leaves_the_rest(ctypes_route, dtype
             assert done == (takes and b_name == "C"), (name, b_name)
             want = a.astype(np.float64) @ b if done else np.full(out.shape, 9.0)
             np.testing.assert_allclose(out, want, rtol=tol, atol=tol, err_msg=f"a {name}, b {b_name}")
+
+
+def test_a_gemm_that_disagrees_with_numpy_is_found_on_one_thread_and_on_two():
+    """MKL loaded after PyTorch's copy computed wrong products on two threads only: the load-time
+    check compares each bound GEMM with NumPy's at one thread and at two."""
+    if not blas.load("openblas"):
+        pytest.skip("NumPy's OpenBLAS is not reachable here")
+    good = blas.load("openblas")
+    counts = []
+
+    def set_threads(n):
+        counts.append(n)
+        return 7
+
+    assert blas._products_agree(good, set_threads) and counts == [1, 7, 2, 7]  # each count given back
+
+    def wrong_on_two_threads(char):
+        def gemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+            good[char](order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+            if counts[-1] == 2:
+                ctypes.cast(c, ctypes.POINTER(ctypes.c_uint8))[3] ^= 0x40  # an exponent bit of C[0, 0]
+        return gemm
+
+    counts.clear()
+    assert not blas._products_agree({"f": wrong_on_two_threads("f"), "d": good["d"]}, set_threads)
+    assert counts[-1] == 7  # the count is given back also when a product disagrees
+
+
+@pytest.mark.skipif(not wheel_installed("mkl"), reason="needs the mkl extra: pip install -e '.[mkl]'")
+def test_with_pytorch_imported_first_the_kernels_still_compute_right():
+    pytest.importorskip("torch", reason="the check needs PyTorch: pip install -e '.[bench]'")
+    script = """
+import warnings, numpy as np, torch
+(torch.randn(64, 64) @ torch.randn(64, 64)).sum()  # PyTorch's MKL and OpenMP in the process first
+from minidl import kernels, nn, Tensor
+from minidl.kernels.cpu import blas
+x, w = (np.random.default_rng(i).standard_normal(s).astype(np.float32) for i, s in ((0, (8, 20)), (1, (32, 20))))
+d = nn.Dense(20, 32)
+d.weight.set_data(Tensor(w))
+with warnings.catch_warnings(record=True) as caught, kernels.reference_only(False):
+    warnings.simplefilter("always")
+    y = d(Tensor(x)).asnumpy()
+np.testing.assert_allclose(y, x @ w.T + d.bias.asnumpy(), rtol=1e-5, atol=1e-5)
+print(blas.library(), [str(c.message) for c in caught])
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, MINIDL_NUM_THREADS="2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    library, said = done.stdout.split(" ", 1)
+    # where MKL's GEMMs go wrong after PyTorch's it is refused with a warning; where they agree it stays
+    assert library == "openblas" and "was loaded after another copy of MKL" in said or library == "mkl"

@@ -121,9 +121,10 @@ def test_matmul_takes_the_views_blas_can_and_leaves_the_rest(ctypes_route, dtype
             np.testing.assert_allclose(out, want, rtol=tol, atol=tol, err_msg=f"a {name}, b {b_name}")
 
 
-def test_a_gemm_that_disagrees_with_numpy_is_found_on_one_thread_and_on_two():
+@pytest.mark.parametrize("wrong_when", ["two threads", "B transposed", "B as it is"])
+def test_a_gemm_that_disagrees_with_numpy_is_found_on_one_thread_and_on_two(wrong_when):
     """MKL loaded after PyTorch's copy computed wrong products on two threads only: the load-time
-    check compares each bound GEMM with NumPy's at one thread and at two."""
+    check compares each bound GEMM with NumPy's at one thread and at two, B transposed or not."""
     if not blas.load("openblas"):
         pytest.skip("NumPy's OpenBLAS is not reachable here")
     good = blas.load("openblas")
@@ -135,15 +136,16 @@ def test_a_gemm_that_disagrees_with_numpy_is_found_on_one_thread_and_on_two():
 
     assert blas._products_agree(good, set_threads) and counts == [1, 7, 2, 7]  # each count given back
 
-    def wrong_on_two_threads(char):
+    def wrong(char):
         def gemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
             good[char](order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
-            if counts[-1] == 2:
-                ctypes.cast(c, ctypes.POINTER(ctypes.c_uint8))[3] ^= 0x40  # an exponent bit of C[0, 0]
+            if {"two threads": counts[-1] == 2, "B transposed": tb == blas._TRANS,
+                    "B as it is": tb == blas._NO_TRANS}[wrong_when]:
+                ctypes.cast(c, ctypes.POINTER(ctypes.c_float))[0] += 0.01  # C[0, 0] off by 100 times the bound
         return gemm
 
     counts.clear()
-    assert not blas._products_agree({"f": wrong_on_two_threads("f"), "d": good["d"]}, set_threads)
+    assert not blas._products_agree({"f": wrong("f"), "d": good["d"]}, set_threads)
     assert counts[-1] == 7  # the count is given back also when a product disagrees
 
 

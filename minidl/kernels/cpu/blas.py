@@ -119,7 +119,8 @@ def load(name):
                                       f"(e.g. PyTorch's, when torch is imported before minidl's kernels "
                                       f"first run) and its GEMMs disagree with NumPy's")
                     warnings.warn(f"minidl: {_refused[name]}; the CPU kernels use NumPy's OpenBLAS instead "
-                                  f"(import minidl's kernels first, or set MINIDL_BLAS=openblas)", RuntimeWarning,
+                                  f"(to keep MKL, call minidl.kernels.cpu.blas.load('mkl') before importing torch; "
+                                  f"MINIDL_BLAS=openblas chooses OpenBLAS without this warning)", RuntimeWarning,
                                   stacklevel=2)
                     fns = {}
                 if fns:
@@ -162,7 +163,7 @@ def library():
         if not load(choice):
             if choice in _refused:
                 raise RuntimeError(f"kernels option blas={choice!r}, but {_refused[choice]}: set blas='openblas' "
-                                   f"or None, or import minidl's kernels before torch")
+                                   f"or None, or call minidl.kernels.cpu.blas.load('mkl') before importing torch")
             raise RuntimeError(f"kernels option blas={choice!r}, but it was not found"
                                + (": pip install 'minidl[mkl]'" if choice == "mkl" else f" ({intra_op.blas_status()})"))
         return choice

@@ -90,7 +90,8 @@ TARGETS = {
     "sources": (["minidl/dataset/sources.py"],
                 ["tests/minidl/dataset/test_sources.py", "tests/minidl/dataset/test_sharding.py",
                  "tests/minidl/dataset/test_padding_validity.py"]),
-    "loss": (["minidl/nn/loss.py", "minidl/ops/loss.py"], ["tests/minidl/nn/test_loss.py", "tests/minidl/ops/test_loss.py"]),
+    "loss": (["minidl/nn/loss.py", "minidl/ops/loss.py"],
+             ["tests/minidl/nn/test_loss.py", "tests/minidl/ops/test_loss.py"]),
     "graph_mode": (["minidl/graph_mode.py"],
                    ["tests/minidl/test_graph_mode.py", "tests/minidl/test_graph_mode_dense.py"]),
     # minidl/kernels in parts, each within 30 minutes on 2 cores (the whole of cpu/ is 5,500 mutants)

@@ -16,7 +16,7 @@ n times a bucket where Horovod's recursive halving moves about 2 buckets: simple
 rather than bandwidth-optimal (docs/parallel.md says so).
 """
 
-__all__ = ["adasum_pair", "adasum_tree", "check_world"]
+__all__ = ["adasum_pair", "adasum_tree", "adasum_per_tensor", "check_world"]
 
 _TINY_NORM = 1e-8  # Horovod's threshold on |g|^2 below which a coefficient stays 1
 
@@ -35,6 +35,20 @@ def adasum_tree(xp, vectors):
     while len(level) > 1:
         level = [adasum_pair(xp, level[i], level[i + 1]) for i in range(0, len(level), 2)]
     return level[0]
+
+
+def adasum_per_tensor(xp, gathered, slots, out):
+    """Each tensor's Adasum over the ranks' rows of one fused bucket, written into ``out``.
+
+    Args:
+        xp: the array module.
+        gathered: (ranks, bucket size) float64, one row per rank (rank order).
+        slots: (offset, element count) of each tensor in the bucket.
+        out: the bucket's buffer; each tensor's result is cast to its dtype.
+    """
+    for off, n in slots:
+        rows = [gathered[r, off:off + n] for r in range(gathered.shape[0])]
+        out[off:off + n] = adasum_tree(xp, rows).astype(out.dtype)
 
 
 def check_world(size, who):

@@ -10,7 +10,9 @@ the whole descriptions only when the digests differ, so that the check costs one
 when the ranks agree and the error can still name every rank's value when they do not.
 
 Callers run a check once per (communicator, description) and raise on every rank, since
-every rank sees the same gathered list.
+every rank sees the same gathered list. :func:`require_same_tensors` is that check for the
+tensors a collective fuses (the gradient reducer's parameters, a broadcast's tensors), with the
+error that names the first tensor that differs.
 
 Example:
     >>> found = disagreement(comm, "parameters", (("w", (4, 8), "float32"),))
@@ -19,7 +21,9 @@ Example:
 """
 import hashlib
 
-__all__ = ["disagreement", "first_difference", "describe_ranks"]
+import numpy
+
+__all__ = ["disagreement", "first_difference", "describe_ranks", "describe_tensors", "require_same_tensors"]
 
 
 def disagreement(comm, kind, description):
@@ -59,3 +63,52 @@ def first_difference(entries):
 def describe_ranks(values, show=repr):
     """``"rank 0: a, rank 1: b"``, each rank's value through ``show``."""
     return ", ".join(f"rank {r}: {show(v)}" for r, v in enumerate(values))
+
+
+def describe_tensors(tensors):
+    """The compact description the ranks compare: (name, shape, dtype) of each tensor, in order."""
+    return tuple((getattr(t, "name", None), tuple(int(d) for d in t.shape), str(numpy.dtype(t.dtype)))
+                 for t in tensors)
+
+
+def require_same_tensors(comm, who, tensors, **settings):
+    """Raises ValueError on every rank unless every rank of ``comm`` passes the same tensors
+    (names, shapes, dtypes, in order) and the same ``settings`` (collective).
+
+    Args:
+        comm: the Communicator.
+        who: the caller, named at the start of the message.
+        tensors: Parameters or Tensors.
+        settings: values every rank must agree on (``mean``, ``degree``; a broadcast's ``root``).
+    """
+    found = disagreement(comm, "parameters", (tuple(sorted(settings.items())), describe_tensors(tensors)))
+    if found is not None:
+        raise ValueError(_mismatch_message(who, found))
+
+
+def _show_tensor(entry):
+    if entry is None:
+        return "nothing"
+    name, shape, dtype = entry
+    return f"{name!r} of shape {shape} {dtype}"
+
+
+def _mismatch_message(who, found):
+    kinds = [kind for kind, _ in found]
+    if any(k != kinds[0] for k in kinds):
+        return (f"{who}: the ranks are running different checks at the same point ({describe_ranks(kinds)}): "
+                f"they run different programs or parallel modes; every rank must make the same calls")
+    settings = [dict(description[0]) for _, description in found]
+    tensors = [description[1] for _, description in found]
+    i = first_difference(tensors)
+    if i is not None:
+        counts = [len(t) for t in tensors]
+        at = [t[i] if i < len(t) else None for t in tensors]
+        count_note = "" if all(c == counts[0] for c in counts) else f" (numbers of tensors: " \
+            f"{describe_ranks(counts, str)})"
+        return (f"{who}: the ranks' parameters differ at tensor {i}: {describe_ranks(at, _show_tensor)}"
+                f"{count_note}; every rank must build the same network (same layers, shapes and dtypes, "
+                f"in the same order) before training")
+    return (f"{who}: the ranks reduce gradients with different settings: "
+            f"{describe_ranks(settings, lambda s: ', '.join(f'{k}={v!r}' for k, v in s.items()))}; set the same "
+            f"gradients_mean (and degree) on every rank")

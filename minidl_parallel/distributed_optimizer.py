@@ -18,7 +18,8 @@ reduction overflowed (counted in ``skipped_steps``, with a warning naming the st
 """
 import warnings
 
-from .grad_reducer import DistributedGradReducer, broadcast_tensors
+from .broadcast import broadcast_tensors
+from .grad_reducer import DistributedGradReducer
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "Average", "Sum", "Adasum"]
 

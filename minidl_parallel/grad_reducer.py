@@ -1,9 +1,9 @@
 """DistributedGradReducer: sums (or averages) gradients over ranks in fused buckets.
 
 Gradients are packed into flat per-dtype buffers ("buckets") of at most ``fusion_bytes``,
-filled with the parameters in REVERSE order, as PyTorch DDP does: backward produces the last
-layers' gradients first, so the first bucket is the first one complete. One collective runs
-per bucket, never one per parameter: small tensors cost one latency per bucket, not each.
+filled with the parameters in REVERSE order, as PyTorch DDP does (minidl_parallel/buckets.py).
+One collective runs per bucket, never one per parameter: small tensors cost one latency per
+bucket, not each.
 
 Three ways to run it:
 
@@ -25,10 +25,8 @@ overlap. ``ready`` needs a caller that sees each gradient as backward produces i
 before the optimizer.
 
 ``broadcast_parameters(tensors)`` overwrites tensors with rank 0's values, packed into the
-same kind of fused per-dtype buffers (one broadcast per buffer). ``Model`` calls it at the
-start of training when ``parameter_broadcast`` is True (set from
-``set_auto_parallel_context(parameter_broadcast=True)``), with the network's parameters and
-the optimizer's state, so every rank starts from rank 0's model even after a resume.
+same kind of fused per-dtype buffers (one broadcast per buffer; minidl_parallel/broadcast.py).
+``Model`` calls it at the start of training when ``parameter_broadcast`` is True.
 
 A parameter whose gradient is None (not reached by the loss) counts as zeros: its slot in the
 bucket is zero-filled, so every rank still runs the same collectives, and the returned
@@ -41,11 +39,16 @@ inf or NaN (a device flag, read only when asked).
 
 Agreement check: the first reduction on a communicator (and ``broadcast_parameters``, every
 call) first compares every rank's parameter names, shapes and dtypes (and ``mean``/``degree``)
-with one small ``allgather_object`` of a digest (minidl_parallel/agreement.py). Ranks that
-built different models get, on every rank, a ValueError naming the first parameter that
-differs and each rank's value, instead of MPI_ERR_TRUNCATE, a crash or a hang. The result
-is cached per communicator, so later steps do not pay for it; a new reducer (``Model.train``
-makes one per run) or another communicator checks again.
+with one small ``allgather_object`` of a digest (``require_same_tensors``,
+minidl_parallel/agreement.py). Ranks that built different models get, on every rank, a
+ValueError naming the first parameter that differs and each rank's value, instead of
+MPI_ERR_TRUNCATE, a crash or a hang. The result is cached per communicator, so later steps do
+not pay for it; a new reducer (``Model.train`` makes one per run) or another communicator
+checks again.
+
+Gradient accumulation (``backward_passes_per_step``) sums k calls' gradients locally
+(minidl_parallel/accumulation.py); Adasum combines the ranks' gradients per tensor
+(minidl_parallel/adasum.py).
 
 Uneven inputs: inside ``with reducer.join(optimizer):`` (or ``minidl_parallel.join``, see
 minidl_parallel/join.py) every reduction is preceded by a one-number all-reduce saying that
@@ -67,26 +70,17 @@ from minidl.backend import get_array_module
 from minidl.tensor import Tensor
 
 from . import adasum
-from .agreement import describe_ranks, disagreement, first_difference
+from .accumulation import GradientAccumulator
+from .agreement import require_same_tensors
+from .broadcast import broadcast_tensors
+from .buckets import DEFAULT_FUSION_BYTES, plan_buckets
 from .collectives import resolve_communicator
 from .compression import Compression
+from .join import Join, count_ranks_with_data
 from .tensor_parallel.counter import record
 from .tensor_parallel.plan import comm_bytes
 
 _WHO = "DistributedGradReducer"
-
-
-class _Bucket:
-    """Parameters (indices) sharing one flat buffer of one dtype."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-        self.indices = []
-        self.offsets = []
-        self.size = 0
-        self.buffer = None
-        self.wire = None  # the buffer on the wire when compressed (else the buffer itself)
-        self.request = None
 
 
 class DistributedGradReducer:
@@ -124,7 +118,7 @@ class DistributedGradReducer:
     # Every call is a collective: every rank must make as many (Model.train agrees the step counts).
     collective = True
 
-    def __init__(self, parameters, mean=True, degree=None, fusion_bytes=25 * 1024 * 1024, comm=None,
+    def __init__(self, parameters, mean=True, degree=None, fusion_bytes=DEFAULT_FUSION_BYTES, comm=None,
                  parameter_broadcast=False, compression=None, gradient_predivide_factor=1.0,
                  backward_passes_per_step=1, adasum=False):
         self.parameters = tuple(parameters)
@@ -150,8 +144,7 @@ class DistributedGradReducer:
                 or backward_passes_per_step < 1:
             raise ValueError(f"{_WHO}: backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
         self.backward_passes_per_step = backward_passes_per_step
-        self._passes = 0  # calls accumulated since the last reduction
-        self._accumulated = [None] * len(self.parameters)
+        self._accumulator = GradientAccumulator(len(self.parameters), backward_passes_per_step)
         if not isinstance(adasum, bool):
             raise TypeError(f"{_WHO}: adasum must be a bool, got {adasum!r}")
         if adasum and gradient_predivide_factor != 1.0:
@@ -165,7 +158,7 @@ class DistributedGradReducer:
         self._degree = degree
         self.fusion_bytes = fusion_bytes
         self._comm = comm if comm is None else resolve_communicator(_WHO, comm)
-        self.buckets = self._plan()
+        self.buckets = plan_buckets(((p.shape, p.dtype) for p in self.parameters), fusion_bytes)
         for bucket in self.buckets:  # an integer bucket with fp16 raises here, on every rank
             bucket.wire_dtype = self.compression.wire_dtype(bucket.dtype, _WHO)
         self._finite = None  # per step with compression: whether every reduced value was finite
@@ -186,23 +179,6 @@ class DistributedGradReducer:
     @property
     def degree(self):
         return self._degree if self._degree is not None else self.comm.size
-
-    def _plan(self):
-        buckets, open_by_dtype = [], {}
-        for i in reversed(range(len(self.parameters))):
-            p = self.parameters[i]
-            dtype = numpy.dtype(p.dtype)
-            n = _numel(p.shape)
-            bucket = open_by_dtype.get(dtype)
-            if bucket is not None and bucket.size and (bucket.size + n) * dtype.itemsize > self.fusion_bytes:
-                bucket = None
-            if bucket is None:
-                bucket = open_by_dtype[dtype] = _Bucket(dtype)
-                buckets.append(bucket)
-            bucket.indices.append(i)
-            bucket.offsets.append(bucket.size)
-            bucket.size += n
-        return buckets
 
     # ---- running ------------------------------------------------------------------------
 
@@ -240,9 +216,9 @@ class DistributedGradReducer:
         grad = self._check_one(index, grad)
         if state["accumulate"]:
             state["grads"][index] = None
-            self._accumulate(index, grad)
+            self._accumulator.add(index, grad)
             return
-        state["grads"][index] = self._take_accumulated(index, grad)
+        state["grads"][index] = self._accumulator.take(index, grad)
         b, _ = self._where[index]
         state["missing"][b] -= 1
         while state["next"] < len(self.buckets) and state["missing"][state["next"]] == 0:
@@ -261,10 +237,10 @@ class DistributedGradReducer:
             if i not in state["grads"]:
                 self.ready(i, None)
         if state["accumulate"]:
-            self._passes += 1
+            self._accumulator.call_done(reduced=False)
             self._pending = None
             return None
-        self._passes = 0
+        self._accumulator.call_done(reduced=True)
         out = [None] * len(self.parameters)
         finite = []
         for bucket in self.buckets:
@@ -274,10 +250,8 @@ class DistributedGradReducer:
             buf = bucket.buffer
             if self._rescales():
                 finite.append(self._unpack(bucket))
-            for i, off in zip(bucket.indices, bucket.offsets):
-                p = self.parameters[i]
-                n = _numel(p.shape)
-                g = buf[off:off + n].reshape(tuple(p.shape))
+            for i, off, n in bucket.slots():
+                g = buf[off:off + n].reshape(tuple(self.parameters[i].shape))
                 given = state["grads"][i]
                 if given is not None and given.dtype != g.dtype:
                     g = g.astype(given.dtype)
@@ -300,10 +274,7 @@ class DistributedGradReducer:
         """The bucket's gathered (n, size) wire values -> each parameter's Adasum, in float64."""
         gathered = bucket.wire.reshape(self.comm.size, bucket.size).astype(numpy.float64)
         bucket.wire = None
-        for i, off in zip(bucket.indices, bucket.offsets):
-            n = _numel(self.parameters[i].shape)
-            rows = [gathered[r, off:off + n] for r in range(gathered.shape[0])]
-            bucket.buffer[off:off + n] = adasum.adasum_tree(xp, rows).astype(bucket.dtype)
+        adasum.adasum_per_tensor(xp, gathered, [(off, n) for _, off, n in bucket.slots()], bucket.buffer)
 
     def _rescales(self):
         return self.compression is not Compression.none or self.gradient_predivide_factor != 1.0 or self.adasum
@@ -361,30 +332,17 @@ class DistributedGradReducer:
         if self._agreed_on is not None and self._agreed_on() is comm:
             return
         if comm.size > 1:
-            self._check_agreement(comm, _WHO, _describe_tensors(self.parameters), mean=self.mean,
-                                  degree=self.degree)
+            require_same_tensors(comm, _WHO, self.parameters, mean=self.mean, degree=self.degree)
         self._agreed_on = weakref.ref(comm)
-
-    @staticmethod
-    def _check_agreement(comm, who, tensors, **settings):
-        description = (tuple(sorted(settings.items())), tensors)
-        found = disagreement(comm, "parameters", description)
-        if found is not None:
-            raise ValueError(_mismatch_message(who, found))
 
     def join(self, optimizer=None):
         """A join block for uneven inputs (see :class:`minidl_parallel.join.Join`)."""
-        from .join import Join
         return Join(self, optimizer)
-
-    def _vote(self, comm, has_data):
-        """The number of ranks that still have data (a one-number all-reduce; join blocks only)."""
-        return int(round(float(comm.allreduce(numpy.array([float(has_data)]), "sum")[0])))
 
     def _begin(self):
         if self._pending is not None:
             raise RuntimeError(f"{_WHO}: a reduction is already in flight; call finish() first")
-        if self._passes < self.backward_passes_per_step - 1:  # this call only accumulates
+        if self._accumulator.only_accumulates():
             if self._joined is not None:
                 raise RuntimeError(f"{_WHO}: backward_passes_per_step={self.backward_passes_per_step} inside a "
                                    f"join block is not supported: a finished rank cannot tell which calls its "
@@ -396,27 +354,9 @@ class DistributedGradReducer:
             adasum.check_world(self.comm.size, _WHO)
         self._finite = None
         if self._joined is not None and self._vote_before_reducing:
-            self._vote(self.comm, True)
+            count_ranks_with_data(self.comm, True)
         self._pending = {"grads": {}, "missing": [len(b.indices) for b in self.buckets], "next": 0,
                          "accumulate": False}
-
-    def _accumulate(self, index, grad):
-        if grad is None:
-            return
-        acc = self._accumulated[index]
-        if acc is None:
-            self._accumulated[index] = grad.copy()
-        else:
-            acc += grad
-
-    def _take_accumulated(self, index, grad):
-        """grad plus what earlier calls accumulated for parameter index (which is then cleared)."""
-        acc, self._accumulated[index] = self._accumulated[index], None
-        if acc is None:
-            return grad
-        if grad is not None:
-            acc += grad
-        return acc
 
     def _launch(self, b):
         bucket = self.buckets[b]
@@ -428,9 +368,6 @@ class DistributedGradReducer:
                 break
         if xp is None:
             xp = get_array_module(self.parameters[bucket.indices[0]].data)
-        # A fresh buffer each step: the returned gradients are views of it, which saves copying
-        # them out and keeps them valid after the next step.
-        buf = bucket.buffer = xp.empty(bucket.size, dtype=bucket.dtype)
         # The mean's 1/degree is folded into the packing copy, which happens anyway, rather
         # than being a second pass over the reduced buffer. With compression or a predivide
         # factor the packing divides by f only, and _unpack by degree / f (Horovod's order).
@@ -439,15 +376,7 @@ class DistributedGradReducer:
             scale = bucket.dtype.type(1.0 / f) if self.mean and f != 1.0 else None
         else:
             scale = bucket.dtype.type(1.0 / self.degree) if self.mean and self.degree != 1 else None
-        for i, off in zip(bucket.indices, bucket.offsets):
-            n = _numel(self.parameters[i].shape)
-            g = grads[i]
-            if g is None:
-                buf[off:off + n] = 0
-            elif scale is None:
-                buf[off:off + n] = g.reshape(-1)
-            else:
-                xp.multiply(g.reshape(-1), scale, out=buf[off:off + n])
+        buf = bucket.pack(xp, grads, scale)
         # Inside a join block every bucket takes the blocking all-reduce: a rank shadowing a step
         # cannot know whether its peers overlap (iallreduce_) or not, and MPI never matches a
         # blocking collective with a non-blocking one.
@@ -466,99 +395,5 @@ class DistributedGradReducer:
             bucket.request = comm.iallreduce_(wire, "sum")
 
 
-def broadcast_tensors(tensors, root=0, comm=None, fusion_bytes=25 * 1024 * 1024, who="broadcast_parameters"):
-    """Overwrites every tensor's data with ``root``'s, in fused buffers; returns the count of broadcasts.
-
-    Every rank passes the same tensors (order, shapes, dtypes), checked on every call.
-    """
-    tensors = list(tensors)
-    for i, t in enumerate(tensors):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{who}: tensors[{i}] must be a Tensor, got {type(t).__name__}")
-    comm = resolve_communicator(who, comm)
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < comm.size:
-        raise ValueError(f"{who}: root must be a rank in [0, {comm.size - 1}], got {root!r}")
-    if comm.size == 1:
-        return 0
-    # Checked on every call (once per training run): the tensors, optimizer state included,
-    # may be another set each time, and a broadcast of mismatched buffers corrupts memory.
-    found = disagreement(comm, "parameters", ((("root", root),), _describe_tensors(tensors)))
-    if found is not None:
-        raise ValueError(_mismatch_message(who, found))
-    if not tensors:
-        return 0
-    # Host tensors (the optimizer's global_step, SGD's stat flags: NumPy even on a GPU) get
-    # buffers of their own, never packed with device ones: the communicator sends each
-    # where it lives (nccl: NumPy buffers over its inner MPI communicator), so the few bytes
-    # of host state cost no device round trip and no synchronisation.
-    groups = {}
-    for t in tensors:
-        groups.setdefault((str(t.data.dtype), type(t.data).__module__), []).append(t)
-    count = 0
-    for members in groups.values():
-        chunk, nbytes = [], 0
-        for t in members + [None]:
-            if t is None or (chunk and nbytes + t.data.nbytes > fusion_bytes):
-                _broadcast_chunk(comm, chunk, root)
-                count += 1
-                chunk, nbytes = [], 0
-            if t is not None:
-                chunk.append(t)
-                nbytes += t.data.nbytes
-    return count
-
-
-def _broadcast_chunk(comm, chunk, root):
-    xp = get_array_module(chunk[0].data)
-    buf = xp.concatenate([xp.ravel(t.data) for t in chunk])
-    buf = comm.broadcast(buf, root=root)
-    off = 0
-    for t in chunk:
-        n = t.data.size
-        # In place, so views held elsewhere (optimizer state, the net's layers) see rank 0's values.
-        t.data[...] = buf[off:off + n].reshape(t.data.shape)
-        off += n
-
-
-def _describe_tensors(tensors):
-    """The compact description the ranks compare: (name, shape, dtype) of each tensor, in order."""
-    return tuple((getattr(t, "name", None), tuple(int(d) for d in t.shape), str(numpy.dtype(t.dtype)))
-                 for t in tensors)
-
-
-def _show_tensor(entry):
-    if entry is None:
-        return "nothing"
-    name, shape, dtype = entry
-    return f"{name!r} of shape {shape} {dtype}"
-
-
-def _mismatch_message(who, found):
-    kinds = [kind for kind, _ in found]
-    if any(k != kinds[0] for k in kinds):
-        return (f"{who}: the ranks are running different checks at the same point ({describe_ranks(kinds)}): "
-                f"they run different programs or parallel modes; every rank must make the same calls")
-    settings = [dict(description[0]) for _, description in found]
-    tensors = [description[1] for _, description in found]
-    i = first_difference(tensors)
-    if i is not None:
-        counts = [len(t) for t in tensors]
-        at = [t[i] if i < len(t) else None for t in tensors]
-        count_note = "" if all(c == counts[0] for c in counts) else f" (numbers of tensors: " \
-            f"{describe_ranks(counts, str)})"
-        return (f"{who}: the ranks' parameters differ at tensor {i}: {describe_ranks(at, _show_tensor)}"
-                f"{count_note}; every rank must build the same network (same layers, shapes and dtypes, "
-                f"in the same order) before training")
-    return (f"{who}: the ranks reduce gradients with different settings: "
-            f"{describe_ranks(settings, lambda s: ', '.join(f'{k}={v!r}' for k, v in s.items()))}; set the same "
-            f"gradients_mean (and degree) on every rank")
-
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
+# broadcast_tensors is importable from here too, where it lived before broadcast.py
 __all__ = ["DistributedGradReducer", "broadcast_tensors"]

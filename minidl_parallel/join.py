@@ -34,7 +34,9 @@ so they are not supported inside a join block. Step callbacks run only on the ra
 the step. An exception inside the block leaves at once without shadowing (the other ranks then
 fail at their next collective, under the communicator's timeout).
 """
-__all__ = ["Join", "join"]
+import numpy
+
+__all__ = ["Join", "join", "count_ranks_with_data"]
 
 
 class Join:
@@ -50,8 +52,7 @@ class Join:
     """
 
     def __init__(self, reducer, optimizer=None):
-        if not (callable(getattr(reducer, "agree_on_parameters", None)) and callable(getattr(reducer, "_vote",
-                                                                                             None))):
+        if not (callable(getattr(reducer, "agree_on_parameters", None)) and hasattr(reducer, "_joined")):
             raise TypeError(f"join: reducer must be a DistributedGradReducer, got {type(reducer).__name__}")
         if optimizer is not None and not callable(optimizer):
             raise TypeError(f"join: optimizer must be an Optimizer (callable with the gradients) or None, got "
@@ -83,7 +84,7 @@ class Join:
         zeros = (None,) * len(reducer.parameters)
         while True:
             reducer.agree_on_parameters()  # a rank that had no data at all checks here, with the others
-            if reducer._vote(reducer.comm, False) == 0:
+            if count_ranks_with_data(reducer.comm, False) == 0:
                 return
             reducer._vote_before_reducing = False
             try:
@@ -93,6 +94,15 @@ class Join:
             if self.optimizer is not None:
                 self.optimizer(grads)
             self.shadowed_steps += 1
+
+
+def count_ranks_with_data(comm, has_data):
+    """The number of ranks that still have data: this rank's vote (``has_data``), all-reduced.
+
+    One one-number all-reduce, made by every rank inside a join block before each reduction
+    (the reducer, with True) and by a rank shadowing its peers (with False).
+    """
+    return int(round(float(comm.allreduce(numpy.array([float(has_data)]), "sum")[0])))
 
 
 def join(reducer, optimizer=None):

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import minidl
-from minidl import gpu_check as gc
+from minidl_checks import gpu as gc, judging, stages, training
+from minidl_checks import probe as probe_stage
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^\| \d{4}-\d{2}-\d{2} \| (.+?) \| (.+) \| (.+) \|$")
@@ -113,6 +114,23 @@ def test_bad_arguments_exit_2():
     assert proc.returncode == 2 and "--steps must be positive" in proc.stderr
 
 
+def test_help_names_the_command_and_its_exit_statuses():
+    proc = run_check("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m minidl.gpu_check ")
+    assert "--no-suite" in proc.stdout and "3 --require-gpu and no CuPy" in proc.stdout
+
+
+def test_importing_minidl_gpu_check_loads_nothing_of_the_tool():
+    """The tool lives in minidl_checks: importing minidl (or minidl.gpu_check) must not load it,
+    nor run it (a fresh process: this one has imported minidl_checks for the other tests)."""
+    code = ("import sys, minidl, minidl.gpu_check; "
+            "print(sorted(m for m in sys.modules if m.startswith(('minidl_checks', 'minidl_parallel', 'torch'))))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 # ---- the stage runner -----------------------------------------------------------------
 
 def py(code):
@@ -120,25 +138,26 @@ def py(code):
 
 
 def emit(status="passed", summary="ok", **data):
-    return f"print({gc.RESULT_MARK!r} + {json.dumps(json.dumps({'status': status, 'summary': summary, 'data': data}))})"
+    line = json.dumps({"status": status, "summary": summary, "data": data})
+    return f"print({stages.RESULT_MARK!r} + {json.dumps(line)})"
 
 
 def test_stage_that_passes_gives_its_summary_and_data():
-    res = gc.run_stage("s", py(f"print('noise'); {emit(summary='fine', steps_per_s=2.5)}"), 30)
+    res = stages.run_stage("s", py(f"print('noise'); {emit(summary='fine', steps_per_s=2.5)}"), 30)
     assert (res.status, res.summary, res.data) == ("passed", "fine", {"steps_per_s": 2.5})
     assert res.output_tail == ""  # kept only for failures
 
 
 def test_stage_that_crashes_fails_with_the_signal_and_the_next_stage_still_runs():
-    res = gc.run_stage("crash", py("import os, sys; print('before the crash', flush=True); os.abort()"), 30)
+    res = stages.run_stage("crash", py("import os, sys; print('before the crash', flush=True); os.abort()"), 30)
     assert res.status == "failed" and res.summary == "killed by signal SIGABRT"
     assert "before the crash" in res.output_tail
-    after = gc.run_stage("after", py(emit()), 30)
+    after = stages.run_stage("after", py(emit()), 30)
     assert after.status == "passed"
 
 
 def test_stage_that_raises_fails_with_its_traceback():
-    res = gc.run_stage("raises", py("raise ValueError('the real error')"), 30)
+    res = stages.run_stage("raises", py("raise ValueError('the real error')"), 30)
     assert res.status == "failed" and res.summary == "exited with status 1"
     assert "ValueError: the real error" in res.output_tail
 
@@ -155,7 +174,7 @@ def test_stage_that_hangs_is_killed_with_its_children(tmp_path):
         time.sleep(120)
     """
     start = time.monotonic()
-    res = gc.run_stage("hang", py(code), 2)
+    res = stages.run_stage("hang", py(code), 2)
     assert time.monotonic() - start < 30
     assert res.status == "failed" and res.summary.startswith("timed out after 2 s")
     assert "started" in res.output_tail
@@ -173,29 +192,29 @@ def test_stage_that_hangs_is_killed_with_its_children(tmp_path):
 
 
 def test_stage_that_exits_0_without_a_result_fails():
-    res = gc.run_stage("silent", py("print('nothing to report')"), 30)
+    res = stages.run_stage("silent", py("print('nothing to report')"), 30)
     assert res.status == "failed" and res.summary == "printed 0 result(s), expected 1"
 
 
 def test_stage_that_reports_failure_fails_with_its_summary():
-    res = gc.run_stage("mismatch", py(emit("failed", "losses differ")), 30)
+    res = stages.run_stage("mismatch", py(emit("failed", "losses differ")), 30)
     assert (res.status, res.summary) == ("failed", "losses differ")
 
 
 def test_stage_under_mpirun_needs_one_result_per_rank():
-    judge = (lambda rc, out: gc.judge_worker(rc, out, expected=2))
-    two = gc.run_stage("ranks", py(f"{emit(summary='rank 0 ok')}\n{emit(summary='rank 1 ok')}"), 30, judge=judge)
-    one = gc.run_stage("ranks", py(emit(summary="rank 0 ok")), 30, judge=judge)
+    judge = (lambda rc, out: stages.judge_worker(rc, out, expected=2))
+    two = stages.run_stage("ranks", py(f"{emit(summary='rank 0 ok')}\n{emit(summary='rank 1 ok')}"), 30, judge=judge)
+    one = stages.run_stage("ranks", py(emit(summary="rank 0 ok")), 30, judge=judge)
     assert two.status == "passed" and one.status == "failed"
 
 
 def test_stage_that_cannot_start_fails():
-    res = gc.run_stage("missing", ["/nonexistent/mpirun", "-n", "2"], 30)
+    res = stages.run_stage("missing", ["/nonexistent/mpirun", "-n", "2"], 30)
     assert res.status == "failed" and res.summary.startswith("could not start /nonexistent/mpirun")
 
 
 def test_skipping_worker_is_reported_as_skipped():
-    res = gc.run_stage("bench-torch", py(emit("skipped", "PyTorch without CUDA")), 30)
+    res = stages.run_stage("bench-torch", py(emit("skipped", "PyTorch without CUDA")), 30)
     assert (res.status, res.summary) == ("skipped", "PyTorch without CUDA")
 
 
@@ -209,14 +228,14 @@ def test_a_crashing_stage_does_not_end_the_report(monkeypatch, capsys):
 
     def run_stage(name, argv, timeout, **kw):
         if name == "probe":
-            return gc.StageResult("probe", "passed", "probed", data=probe)
+            return stages.StageResult("probe", "passed", "probed", data=probe)
         return real_run_stage(name, argv, timeout, **kw)
-    stages = [("libs", lambda: real_run_stage("libs", py("import os; os.abort()"), 30)),
-              ("suite", lambda: gc.skipped("suite", "--no-suite was given")),
-              ("bench", lambda: real_run_stage("bench", py("import time; time.sleep(60)"), 1)),
-              ("resnet20", lambda: real_run_stage("resnet20", py(emit(summary="GPU vs CPU | within")), 30))]
+    standins = [("libs", lambda: real_run_stage("libs", py("import os; os.abort()"), 30)),
+                ("suite", lambda: stages.skipped("suite", "--no-suite was given")),
+                ("bench", lambda: real_run_stage("bench", py("import time; time.sleep(60)"), 1)),
+                ("resnet20", lambda: real_run_stage("resnet20", py(emit(summary="GPU vs CPU | within")), 30))]
     monkeypatch.setattr(gc, "run_stage", run_stage)
-    monkeypatch.setattr(gc, "plan", lambda args, probe: stages)
+    monkeypatch.setattr(gc, "plan", lambda args, probe: standins)
     assert gc.main(["--no-suite"]) == 1
     out = capsys.readouterr().out
     assert "[FAIL] libs" in out and "killed by signal SIGABRT" in out
@@ -235,7 +254,7 @@ def test_plan_skips_the_multi_gpu_stages_and_says_why(monkeypatch):
     two = {"gpus": [{"name": "A"}, {"name": "A"}]}
 
     def skips(probe):
-        # Call only the thunks that skip (gc.skipped): the others would start GPU workers.
+        # Call only the thunks that skip (stages.skipped): the others would start GPU workers.
         monkeypatch.setattr(gc, "run_stage", lambda name, *a, **k: pytest.fail(f"{name} would run"))
         out = {}
         for name, thunk in gc.plan(args, probe):
@@ -258,7 +277,7 @@ def test_plan_runs_each_stage_with_its_own_command(monkeypatch):
     ran = {}
     monkeypatch.setattr(gc, "run_stage", lambda name, argv, timeout, **kw: ran.setdefault(name, (argv, timeout, kw)))
     monkeypatch.setattr(gc, "find_mpirun", lambda: "/opt/mpi/bin/mpirun")
-    monkeypatch.setattr(gc, "_installed", lambda name: True)
+    monkeypatch.setattr(gc, "installed", lambda name: True)
     args = gc.parse_args(["--timeout", "77", "--suite-timeout", "999"])
     for _, thunk in gc.plan(args, {"gpus": [{"name": "A"}, {"name": "A"}]}):
         thunk()
@@ -268,13 +287,13 @@ def test_plan_runs_each_stage_with_its_own_command(monkeypatch):
     assert kw["cwd"] == str(ROOT) and kw["env"]["MINIDL_TEST_DEVICE"] == "gpu" and kw["env"]["MINIDL_DEVICE"] == "GPU"
     for name in ("libs", "resnet20", "bench", "bench-torch", "nccl-1", "threads-gpu"):
         argv, timeout, kw = ran[name]
-        # the stages that need minidl_parallel run from it: minidl never imports minidl_parallel
-        module = "minidl_parallel.gpu_check_workers" if name in ("nccl-1", "threads-gpu") else "minidl.gpu_check"
+        # the stages that need minidl_parallel run from the module that imports it, never the report's
+        module = "minidl_checks.parallel_workers" if name in ("nccl-1", "threads-gpu") else "minidl_checks.gpu"
         assert argv[:5] == [sys.executable, "-m", module, "--worker", name] and timeout == 77
         assert "MINIDL_DEVICE" not in kw["env"] and "MINIDL_TEST_DEVICE" not in kw["env"]
     for name in ("nccl-collectives", "nccl-dp"):
         argv, _, kw = ran[name]
-        assert argv[:7] == ["/opt/mpi/bin/mpirun", "-n", "2", sys.executable, "-m", "minidl_parallel.gpu_check_workers",
+        assert argv[:7] == ["/opt/mpi/bin/mpirun", "-n", "2", sys.executable, "-m", "minidl_checks.parallel_workers",
                             "--worker"]
         assert argv[7] == name
         assert kw["judge"](0, "") == ("failed", "printed 0 result(s), expected 2", {})
@@ -284,13 +303,13 @@ def test_plan_runs_each_stage_with_its_own_command(monkeypatch):
 
 
 def test_judges_of_the_suite_and_the_example():
-    assert gc.judge_suite(0, "....\n812 passed, 3 skipped in 300.1s\n")[:2] == \
+    assert judging.judge_suite(0, "....\n812 passed, 3 skipped in 300.1s\n")[:2] == \
         ("passed", "device-pinned pytest: 812 passed, 3 skipped in 300.1s")
-    status, summary, _ = gc.judge_suite(1, "F..\n= 1 failed, 811 passed in 300s =\n")
+    status, summary, _ = judging.judge_suite(1, "F..\n= 1 failed, 811 passed in 300s =\n")
     assert status == "failed" and summary.endswith("exited 1: 1 failed, 811 passed in 300s")
-    assert gc.judge_example(0, "epoch: 1 step: 8, loss is 1.93\n")[0] == "passed"
-    assert gc.judge_example(0, "nothing trained\n")[0] == "failed"
-    assert gc.judge_example(1, "epoch: 1 step: 8, loss is 1.93\n")[0] == "failed"
+    assert judging.judge_example(0, "epoch: 1 step: 8, loss is 1.93\n")[0] == "passed"
+    assert judging.judge_example(0, "nothing trained\n")[0] == "failed"
+    assert judging.judge_example(1, "epoch: 1 step: 8, loss is 1.93\n")[0] == "failed"
 
 
 # ---- the GPU-vs-CPU comparison --------------------------------------------------------
@@ -298,11 +317,11 @@ def test_judges_of_the_suite_and_the_example():
 def test_training_diffs_scales_each_tensor_and_sums_the_parameters():
     want = {"w": np.array([1.0, -2.0]), "beta": np.array([1e-3, 0.0]), "loss/0": 2.0}
     got = {"w": np.array([1.0, -2.0 + 2e-6]), "beta": np.array([1e-3, 1e-6]), "loss/0": 2.0 + 2e-7}
-    d = gc.training_diffs(got, want)
+    d = judging.training_diffs(got, want)
     assert d["where"] == "beta" and d["max_rel"] == pytest.approx(1e-3)  # 1e-6 on a tensor of scale 1e-3
     # all parameters: sqrt(2e-6^2 + 1e-6^2) / sqrt(1 + 4 + 1e-6); the loss is not a parameter
     assert d["global_rel"] == pytest.approx(np.sqrt(5e-12) / np.sqrt(5 + 1e-6))
-    assert gc.training_diffs(want, want) == {"max_rel": 0.0, "where": "w", "global_rel": 0.0}
+    assert judging.training_diffs(want, want) == {"max_rel": 0.0, "where": "w", "global_rel": 0.0}
 
 
 @pytest.mark.parametrize("change, where", [
@@ -314,14 +333,14 @@ def test_training_diffs_is_infinite_for_broken_runs(change, where):
     want = {"w": np.array([1.0, -2.0]), "loss/0": 2.0}
     got = dict(want)
     change(got)
-    d = gc.training_diffs(got, want)
+    d = judging.training_diffs(got, want)
     assert d["max_rel"] == d["global_rel"] == float("inf") and d["where"] == where
 
 
 def test_float32_tolerance_is_the_measured_resolution_times_the_factor():
-    assert gc.float32_tolerance(1e-3) == pytest.approx(gc.TRAIN_FACTOR * 1e-3) == pytest.approx(0.05)
-    assert gc.float32_tolerance(0.0) == gc.TRAIN_FLOOR == pytest.approx(64 * 2.0 ** -23)
-    assert np.isnan(gc.float32_tolerance(float("inf"))) and np.isnan(gc.float32_tolerance(float("nan")))
+    assert judging.float32_tolerance(1e-3) == pytest.approx(judging.TRAIN_FACTOR * 1e-3) == pytest.approx(0.05)
+    assert judging.float32_tolerance(0.0) == judging.TRAIN_FLOOR == pytest.approx(64 * 2.0 ** -23)
+    assert np.isnan(judging.float32_tolerance(float("inf"))) and np.isnan(judging.float32_tolerance(float("nan")))
 
 
 def synthetic_runs(gpu32_off=1.0, gpu64_off=0.0, cpu64=None):
@@ -337,36 +356,36 @@ def synthetic_runs(gpu32_off=1.0, gpu64_off=0.0, cpu64=None):
 
 
 def test_judge_training_accepts_rounding_and_rejects_more():
-    ok, lines, numbers = gc.judge_training(synthetic_runs(gpu32_off=1.0, gpu64_off=1e-14))
+    ok, lines, numbers = judging.judge_training(synthetic_runs(gpu32_off=1.0, gpu64_off=1e-14))
     assert ok, lines
-    assert numbers["tol_float32_max_rel"] == pytest.approx(gc.TRAIN_FACTOR * numbers["cpu32_vs_cpu64_max_rel"])
-    assert numbers["tol_float64_max_rel"] == gc.TRAIN_TOL64
+    assert numbers["tol_float32_max_rel"] == pytest.approx(judging.TRAIN_FACTOR * numbers["cpu32_vs_cpu64_max_rel"])
+    assert numbers["tol_float64_max_rel"] == judging.TRAIN_TOL64
     assert any(line.startswith("GPU vs CPU float32: per-tensor max rel") for line in lines)
     # float32: a GPU 200x further from the exact result than the CPU (TF32 would be ~1e3-1e4x)
-    ok, lines, _ = gc.judge_training(synthetic_runs(gpu32_off=200.0, gpu64_off=1e-14))
+    ok, lines, _ = judging.judge_training(synthetic_runs(gpu32_off=200.0, gpu64_off=1e-14))
     assert not ok and "TOO LARGE" in next(line for line in lines if "float32:" in line)
     # float64: 1e-7 is no rounding difference
-    ok, lines, _ = gc.judge_training(synthetic_runs(gpu64_off=1e-7))
+    ok, lines, _ = judging.judge_training(synthetic_runs(gpu64_off=1e-7))
     assert not ok and "TOO LARGE" in next(line for line in lines if "float64:" in line)
 
 
 def test_judge_training_fails_when_a_run_is_not_finite():
     runs = synthetic_runs()
     runs[("GPU", "float64")]["loss/0"] = float("nan")
-    assert not gc.judge_training(runs)[0]
+    assert not judging.judge_training(runs)[0]
     runs = synthetic_runs(cpu64={"w": np.array([np.inf, -1.0, 2.0]), "loss/0": 2.3})
-    ok, lines, _ = gc.judge_training(runs)  # a broken CPU reference accepts nothing
+    ok, lines, _ = judging.judge_training(runs)  # a broken CPU reference accepts nothing
     assert not ok and "nan" in lines[1]
 
 
 def test_train_resnet_on_the_cpu_gives_losses_and_every_parameter():
     before = minidl.get_context("device_target")
-    images, labels = gc._resnet_data(2, 4)
-    a = gc.train_resnet("CPU", "float32", images, labels, 2, 4)
-    b = gc.train_resnet("CPU", "float64", images, labels, 2, 4)
+    images, labels = training.resnet_data(2, 4)
+    a = training.train_resnet("CPU", "float32", images, labels, 2, 4)
+    b = training.train_resnet("CPU", "float64", images, labels, 2, 4)
     assert {"loss/0", "loss/1", "conv1.weight", "fc.bias", "bn1.moving_variance"} <= set(a)
     assert set(a) == set(b) and all(np.all(np.isfinite(v)) for v in a.values())
-    d = gc.training_diffs(a, b)
+    d = judging.training_diffs(a, b)
     assert 0 < d["global_rel"] < 1e-4  # float32 is not float64, and not far from it
     assert a["conv1.weight"].dtype == np.float64  # returned as float64 for the comparison
     assert minidl.get_context("device_target") == before  # the caller's device is left as it was
@@ -376,20 +395,20 @@ def test_float64_training_does_not_depend_on_the_chunking():
     """The premise of TRAIN_TOL64: float64 training in another summation order (here the
     CPU's, chunks of 3 images instead of the whole batch) agrees far below 1e-8."""
     from minidl import kernels
-    images, labels = gc._resnet_data(2, 16)
+    images, labels = training.resnet_data(2, 16)
     try:
         kernels.set_option("images_per_chunk", 16)  # the whole batch
-        whole = gc.train_resnet("CPU", "float64", images, labels, 2, 16)
+        whole = training.train_resnet("CPU", "float64", images, labels, 2, 16)
         kernels.set_option("images_per_chunk", 3)
-        chunked = gc.train_resnet("CPU", "float64", images, labels, 2, 16)
+        chunked = training.train_resnet("CPU", "float64", images, labels, 2, 16)
     finally:
         kernels.set_option("images_per_chunk", None)
-    d = gc.training_diffs(chunked, whole)
-    assert d["max_rel"] < gc.TRAIN_TOL64, d
+    d = judging.training_diffs(chunked, whole)
+    assert d["max_rel"] < judging.TRAIN_TOL64, d
 
 
 def test_version_codes_read_as_the_libraries_print_them():
     # cudaRuntimeGetVersion: 1000 * major + 10 * minor; NCCL_VERSION_CODE: 10000 * major +
     # 100 * minor + patch from 2.9 on, 1000 * major + 100 * minor + patch before.
-    assert (gc._cuda_version(12080), gc._cuda_version(13000)) == ("12.8", "13.0")
-    assert (gc._nccl_version(22707), gc._nccl_version(2804)) == ("2.27.7", "2.8.4")
+    assert (probe_stage.cuda_version(12080), probe_stage.cuda_version(13000)) == ("12.8", "13.0")
+    assert (probe_stage.nccl_version(22707), probe_stage.nccl_version(2804)) == ("2.27.7", "2.8.4")

@@ -8,7 +8,8 @@ from minidl import Parameter, Tensor, nn
 from minidl.dataset import NumpySlicesDataset
 from minidl.train import Callback
 from minidl_parallel import run_threads
-from minidl_parallel.grad_reducer import DistributedGradReducer, broadcast_tensors
+from minidl_parallel.broadcast import broadcast_tensors
+from minidl_parallel.grad_reducer import DistributedGradReducer
 
 
 class _Snapshot(Callback):

@@ -16,7 +16,7 @@ cupy_double.install()
 
 import minidl  # noqa: E402  (after the double is installed as cupy)
 import minidl_parallel as mp  # noqa: E402
-from minidl_parallel.gpu_check_workers import collectives_check, dp_equivalence  # noqa: E402
+from minidl_checks.parallel_workers import collectives_check, dp_equivalence  # noqa: E402
 
 
 def main(mode):

@@ -32,7 +32,7 @@ import pytest
 from minidl import Parameter
 from minidl.optim import SGD
 from minidl_parallel import get_communicator, run_threads
-from minidl_parallel import grad_reducer as grad_reducer_module
+from minidl_parallel import broadcast as broadcast_module
 from minidl_parallel.comm import nccl as nccl_backend
 from minidl_parallel.comm.threads import ThreadsCommunicator
 from minidl_parallel.grad_reducer import DistributedGradReducer
@@ -598,8 +598,8 @@ def test_parameter_broadcast_sends_host_optimizer_state_and_device_parameters(fa
     """What Model does with parameter_broadcast=True (examples/resnet_cifar.py): the network's
     parameters (device) and the optimizer's state (device momentum, host global_step and SGD's
     stat flags) take rank 0's values on every rank, each where it lives."""
-    real = grad_reducer_module.get_array_module
-    monkeypatch.setattr(grad_reducer_module, "get_array_module",
+    real = broadcast_module.get_array_module
+    monkeypatch.setattr(broadcast_module, "get_array_module",
                         lambda *xs: fakes.cupy if any(isinstance(x, _DevArray) for x in xs) else real(*xs))
 
     def body(rank):

@@ -1,14 +1,17 @@
-"""The gpu_check stages that need minidl_parallel (minidl never imports it): NCCL on one rank,
-thread-ranks sharing a GPU, and the mpirun stages. ``python -m minidl.gpu_check`` runs each as
-``python -m minidl_parallel.gpu_check_workers --worker NAME ...`` in its own process; each
-prints one result line (minidl.gpu_check reads it).
+"""The GPU check's stages that need minidl_parallel: NCCL on one rank, thread-ranks sharing a
+GPU, and the mpirun stages. ``python -m minidl.gpu_check`` (gpu.py) runs each as
+``python -m minidl_checks.parallel_workers --worker NAME ...`` in its own process, so that the
+report's own process never imports minidl_parallel; each prints one result line (stages.py).
 """
 import sys
 
 import numpy
 
 import minidl_parallel as mp
-from minidl.gpu_check import emit_result, float64_mlp, train_mlp, parse_args
+
+from .gpu import parse_args
+from .stages import emit_result
+from .training import float64_mlp, train_mlp
 
 
 def dp_equivalence(comm, per_rank=3, steps=3):
@@ -103,8 +106,8 @@ def worker_nccl_one(args):
     if failures:
         emit_result("failed", f"one-rank nccl: mismatches: {failures}")
     else:
-        emit_result("passed", "one-rank nccl communicator: every collective on CuPy arrays equals NumPy; data-parallel "
-                        "Model.train (parameter_broadcast) equals training alone")
+        emit_result("passed", "one-rank nccl communicator: every collective on CuPy arrays equals NumPy; "
+                              "data-parallel Model.train (parameter_broadcast) equals training alone")
 
 
 def worker_threads_gpu(args):
@@ -119,8 +122,8 @@ def worker_threads_gpu(args):
     if failures:
         emit_result("failed", f"2 thread-ranks on one GPU: mismatches: {failures}")
     else:
-        emit_result("passed", "2 thread-ranks sharing the GPU (threads backend): collectives on CuPy arrays equal NumPy; "
-                        "data-parallel Model.train equals one process on the global batch")
+        emit_result("passed", "2 thread-ranks sharing the GPU (threads backend): collectives on CuPy arrays "
+                              "equal NumPy; data-parallel Model.train equals one process on the global batch")
 
 
 def worker_mpi(args):
@@ -147,7 +150,7 @@ WORKERS = {"nccl-1": worker_nccl_one, "threads-gpu": worker_threads_gpu, "nccl-c
 def main(argv=None):
     args = parse_args(argv)
     if args.worker not in WORKERS:
-        sys.exit(f"minidl_parallel.gpu_check_workers: --worker must be one of {sorted(WORKERS)}, got {args.worker!r}")
+        sys.exit(f"minidl_checks.parallel_workers: --worker must be one of {sorted(WORKERS)}, got {args.worker!r}")
     WORKERS[args.worker](args)
     return 0
 

@@ -87,7 +87,8 @@ def time_case(forward, backward, reps):
 
 def minidl_worker():
     import numpy as np
-    from minidl import _intra_op as intra_op, kernels, ops, Tensor
+    from minidl import kernels, ops, Tensor
+    from minidl.kernels.cpu import threads as intra_op
     from minidl.autograd import run_backward
     results, copies = {}, {}
     for shape in SHAPES:

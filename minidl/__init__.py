@@ -3,8 +3,7 @@
     import minidl
     from minidl import nn, ops
 """
-from . import _allocator
-from ._intra_op import get_num_threads, set_num_threads
+from .kernels.cpu.threads import get_num_threads, set_num_threads
 from .backend import set_context, get_context, set_seed, get_seed, GRAPH_MODE, PYNATIVE_MODE
 from .tensor import (Tensor, Parameter, no_grad, is_grad_enabled,
                      float16, float32, float64, int8, int32, int64, uint8, bool_)
@@ -18,11 +17,13 @@ from . import dataset
 from .io import save_checkpoint, load_checkpoint, load_param_into_net, load_checkpoint_metadata
 from . import train
 from .train import Model
-from . import graph_mode  # noqa: F401  (installs GRAPH_MODE's hooks when that mode is set)
+from . import graph_mode  # noqa: F401  (installs GRAPH_MODE's layer when that mode is set)
 
-# Process-wide: freed step buffers stay in the heap (a training step 1.07-1.35x faster on the CPU,
-# measured in minidl/_allocator.py); MINIDL_MALLOC_TUNING=0 leaves glibc's defaults alone.
-_allocator.tune()
+# Opt-in, because it is process-wide: with MINIDL_MALLOC_TUNING=1 freed step buffers stay in the
+# heap (a training step 1.07-1.35x faster on the CPU, measured in minidl/kernels/cpu/malloc.py);
+# unset or 0, glibc's defaults are left alone.
+from .kernels.cpu import malloc as _malloc  # noqa: E402
+_malloc.tune_if_requested()
 
 __version__ = "0.1.0"
 

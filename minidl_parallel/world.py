@@ -21,6 +21,11 @@ Under mpirun ``init`` also
   installed (optional; skipped when OMP_NUM_THREADS is set), and minidl's intra-op threads
   (``minidl.set_num_threads``) to the same unless MINIDL_NUM_THREADS is set, so 8 ranks on
   a small machine do not thrash.
+
+These are the process's own hooks, so they last only while the world does: ``release()`` puts
+back the very ``sys.excepthook`` and ``sys.exit`` the user had before ``init`` (unless something
+replaced minidl's since, which then stays), unregisters the atexit guard and restores the BLAS
+thread limits.
 """
 import atexit
 import os
@@ -40,7 +45,9 @@ from .runtime import ParallelRuntime
 
 __all__ = ["init", "release", "run_threads"]
 
-_hooks = {"excepthook": None, "blas": None, "exit_guard": None, "sys_exit": None}
+# What init installed, and what it replaced ("user_*"), for release() to put back.
+_hooks = {"excepthook": None, "user_excepthook": None, "blas": None, "exit_guard": None, "sys_exit": None,
+          "user_sys_exit": None}
 
 
 def _default_backend():
@@ -189,9 +196,8 @@ def release():
     set_runtime(None, scope=runtime.scope)
     if runtime.scope == "process":
         context.current_world().settings = dict(world.settings)
-        if _hooks["excepthook"] is not None and sys.excepthook is _hooks["excepthook"]:
-            sys.excepthook = sys.__excepthook__
-        _hooks["excepthook"] = None
+        _remove_except_hook()
+        _remove_exit_guard()
         if _hooks["blas"] is not None:
             _hooks["blas"].restore_original_limits()
             _hooks["blas"] = None
@@ -248,9 +254,21 @@ def _install_exit_guard(comm):
         real_exit(status)
 
     exit_remembering_status.__wrapped__ = real_exit
+    _hooks["user_sys_exit"] = real_exit
     _hooks["sys_exit"] = sys.exit = exit_remembering_status
     _hooks["exit_guard"] = _exit_guard
     atexit.register(_exit_guard)
+
+
+def _remove_exit_guard():
+    """Undoes :func:`_install_exit_guard`: with no world left, an exit has no job to abort or
+    wait for, and the user's ``sys.exit`` is theirs again."""
+    if _hooks["exit_guard"] is not None:
+        atexit.unregister(_hooks["exit_guard"])
+    if _hooks["sys_exit"] is not None and sys.exit is _hooks["sys_exit"]:
+        sys.exit = _hooks["user_sys_exit"]
+    _hooks["exit_guard"] = _hooks["sys_exit"] = _hooks["user_sys_exit"] = None
+    _exit.update(status=None, called=False, comm=None)
 
 
 def _status_code(status):
@@ -338,8 +356,15 @@ def _install_except_hook(comm):
         finally:
             MPI.COMM_WORLD.Abort(1)
 
-    _hooks["excepthook"] = global_except_hook
-    sys.excepthook = global_except_hook
+    _hooks["user_excepthook"] = sys.excepthook
+    _hooks["excepthook"] = sys.excepthook = global_except_hook
+
+
+def _remove_except_hook():
+    """Undoes :func:`_install_except_hook`: the user's own hook, the very object, is back."""
+    if _hooks["excepthook"] is not None and sys.excepthook is _hooks["excepthook"]:
+        sys.excepthook = _hooks["user_excepthook"]
+    _hooks["excepthook"] = _hooks["user_excepthook"] = None
 
 
 def _limit_blas_threads(local_size):
@@ -350,7 +375,22 @@ def _limit_blas_threads(local_size):
         # minidl's own intra-op threads (conv chunks, BatchNorm blocks) share the cores too.
         minidl.set_num_threads(min(limit, minidl.get_num_threads()))
     try:
-        from threadpoolctl import threadpool_limits
+        threadpoolctl = _import_threadpoolctl()
     except ImportError:
         return
-    _hooks["blas"] = threadpool_limits(limits=limit, user_api="blas")
+    _hooks["blas"] = threadpoolctl.threadpool_limits(limits=limit, user_api="blas")
+
+
+def _import_threadpoolctl():
+    """threadpoolctl, imported so that its import leaves ``os.environ`` as it was: it sets
+    ``KMP_DUPLICATE_LIB_OK=True`` there, which every child process would inherit, and minidl
+    changes no environment the user did not set."""
+    before = os.environ.get("KMP_DUPLICATE_LIB_OK")
+    try:
+        import threadpoolctl
+    finally:
+        if before is None:
+            os.environ.pop("KMP_DUPLICATE_LIB_OK", None)
+        else:
+            os.environ["KMP_DUPLICATE_LIB_OK"] = before
+    return threadpoolctl

@@ -6,43 +6,50 @@ operands that start anywhere in a flat buffer: that is BLAS's ``beta = 1`` and a
 with a leading dimension, one ``cblas_?gemm`` call, made through ctypes (which releases the
 GIL, so the intra-op threads run their GEMMs at once).
 
-Which library (the ``blas`` option):
-- ``"openblas"``: the one NumPy itself links (found by minidl/_intra_op.py: the wheel's copy);
-  the intra-op threads make it single-threaded for theirs.
-- ``"mkl"``: Intel's MKL (``pip install 'minidl[mkl]'``, PyPI's ``mkl``). On the conv kernels'
-  GEMM shapes (16-64 output channels, a few thousand columns) it measured 1.2-1.5x OpenBLAS's
-  speed on one core (benchmarks/bench_gemm.py --direct). NumPy's own matmul stays on OpenBLAS.
+Only libraries minidl declares as dependencies are bound, each through its documented interface
+(never a copy another package vendors for itself, such as NumPy's in ``numpy.libs``). Which one
+(the ``blas`` option):
+- ``"openblas"``: the ``scipy-openblas64`` wheel (``pip install 'minidl[openblas]'``), found by its
+  documented ``get_lib_dir()`` / ``get_library()``; its ``scipy_``-prefixed, 64-bit-integer
+  symbols are its documented API. A library of its own, so its thread count is minidl's and
+  NumPy's own OpenBLAS (``numpy.matmul``) keeps its pool.
+- ``"mkl"``: Intel's MKL (``pip install 'minidl[mkl]'``, PyPI's ``mkl``): its ``mkl_rt`` as the
+  wheel's file list (``importlib.metadata``) names it. On the conv kernels' GEMM shapes (16-64
+  output channels, a few thousand columns) it measured 1.2-1.5x OpenBLAS's speed on one core
+  (benchmarks/bench_gemm.py --direct).
+- None: MKL when it is installed, else the OpenBLAS wheel. The default is ``$MINIDL_BLAS`` when set.
+Without either :func:`available` is false and kernels take their NumPy routes (threads.py then
+runs an op's chunks on one thread). :func:`library` says which is in use.
 
-Threads. The conv kernels call :func:`gemm` from the intra-op threads, one single-threaded GEMM
-per thread; a MatMul (kernels/cpu/matmul.py) calls :func:`matmul` with ``threads=n`` from the
-op's own thread, one GEMM on n threads. OpenBLAS: its thread-local count (the intra-op threads
-set theirs to 1). MKL is loaded with its Intel OpenMP threading layer, its global count set to
-1 (so a call from an intra-op thread never starts a team of its own) and a call's ``threads``
-set thread-locally for that call. OpenMP's threads spin for ``KMP_BLOCKTIME`` after a parallel
-GEMM, 200 ms by default: on cores the intra-op threads then need. minidl sets it to 1 ms unless
-it is already set (the MLP's GEMMs come less than 1 ms apart: the spin is what makes MKL's
-threaded GEMMs faster than OpenBLAS's there).
-- None: MKL when it is installed, else OpenBLAS. The default is ``$MINIDL_BLAS`` when set.
-Without either (a NumPy on another BLAS) :func:`available` is false and kernels take their
-other routes. :func:`library` says which is in use.
+Threads (threads.py owns the count, ``minidl.set_num_threads``). OpenBLAS: its process-wide count
+is the thread count, and 1 while intra-op threads run chunks (:func:`one_thread`). MKL is loaded
+with its Intel OpenMP threading layer and its global count 1 (so a call from an intra-op thread
+never starts a team of its own); a MatMul's call (kernels/cpu/matmul.py) sets its ``threads``
+thread-locally for that call. OpenMP's threads spin for ``KMP_BLOCKTIME`` after a parallel GEMM,
+200 ms by default, on cores the intra-op threads then need; ``MINIDL_OMP_BLOCKTIME_MS=1`` (opt-in,
+read when MKL loads) sets it for minidl's MKL without leaving anything in ``os.environ``.
 """
+import contextlib
 import ctypes
-import glob
+import importlib.metadata
 import importlib.util
 import os
-import sys
+import threading
 import warnings
 
 import numpy
 
-from ... import _intra_op as intra_op
 from .. import declare_option, get_option
+from . import thread_count
+from .load_settings import environment_during as _environ_for_load
 
-__all__ = ["available", "library", "installed", "load", "gemm", "gemm_for", "matmul", "address"]
+__all__ = ["available", "library", "installed", "load", "gemm", "gemm_for", "matmul", "address", "status",
+           "set_num_threads", "num_threads", "one_thread", "chunks_may_run_in_parallel"]
 
 declare_option("blas", os.environ.get("MINIDL_BLAS") or None,
-               "the BLAS the CPU kernels call directly: 'mkl', 'openblas' (NumPy's), or None: MKL when "
-               "installed (pip install 'minidl[mkl]'), else NumPy's OpenBLAS; default: $MINIDL_BLAS")
+               "the BLAS the CPU kernels call directly: 'mkl', 'openblas' (the scipy-openblas64 wheel), or "
+               "None: MKL when installed (pip install 'minidl[mkl]'), else that OpenBLAS (pip install "
+               "'minidl[openblas]'); default: $MINIDL_BLAS")
 
 declare_option("blas_compiled", True,
                "make matmul's BLAS call from Numba-compiled code (blas_compiled.py: the same call, without "
@@ -50,17 +57,17 @@ declare_option("blas_compiled", True,
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _MKL_INTEL_THREADS = 0  # MKL_Set_Threading_Layer's MKL_THREADING_INTEL (Intel OpenMP)
-_BLOCKTIME_MS = "1"  # KMP_BLOCKTIME's default here (see the module docstring)
-# (prefix, suffix, BLAS integer): NumPy's wheels ship OpenBLAS built with 64-bit integers under
-# scipy_ names; a system OpenBLAS has the plain CBLAS names (LP64) or the 64_ suffix (ILP64).
-_OPENBLAS_NAMES = (("scipy_cblas_", "64_", ctypes.c_int64), ("cblas_", "64_", ctypes.c_int64),
-                   ("cblas_", "", ctypes.c_int))
+_OPENBLAS_WHEEL = "scipy_openblas64"
+_BLOCKTIME_OPT_IN = "MINIDL_OMP_BLOCKTIME_MS"
 _found = {}  # library name -> {dtype char: ctypes gemm} ({} when that library is absent)
 _refused = {}  # library name -> why it was found but not used
 _set_local = {}  # library name -> its thread-local "n threads" setter (returns the previous setting)
+_counts = {}  # library name -> (set process-wide count, get count) as ctypes functions
 _blas_int = {}  # library name -> its BLAS integer type (ctypes)
 _numba = importlib.util.find_spec("numba") is not None
 _compiled = {}  # "module": blas_compiled.py; library name -> ({dtype char: gemm address}, setter address, int sample)
+_lock = threading.Lock()
+_one_thread = {"depth": 0}  # how many one_thread blocks are open (intra-op maps, maybe from several threads)
 
 
 def _bind(lib, prefix, suffix, blas_int):
@@ -80,55 +87,164 @@ def _bind(lib, prefix, suffix, blas_int):
 
 
 def _mkl_paths():
-    """MKL's single dynamic library, as the mkl wheel installs it under sys.prefix/lib."""
-    return sorted(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*")))
+    """MKL's single dynamic library, ``libmkl_rt.so*``, as the ``mkl`` wheel's file list names it."""
+    try:
+        files = importlib.metadata.files("mkl") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    return sorted(str(f.locate()) for f in files if f.name.startswith("libmkl_rt.so"))
+
+
+def _openblas_path():
+    """The ``scipy-openblas64`` wheel's library, through its documented ``get_lib_dir`` and
+    ``get_library``; None where the wheel is not installed. Importing the wheel loads it."""
+    if importlib.util.find_spec(_OPENBLAS_WHEEL) is None:
+        return None
+    wheel = importlib.import_module(_OPENBLAS_WHEEL)
+    return os.path.join(wheel.get_lib_dir(), wheel.get_library(fullname=True))
 
 
 def installed(name):
-    """Whether library ``name`` can be loaded, without loading it (MKL: its file is there)."""
-    return bool(_mkl_paths()) if name == "mkl" else bool(load(name))
+    """Whether library ``name`` ('mkl' or 'openblas') is installed, without loading it."""
+    if name == "mkl":
+        return bool(_mkl_paths())
+    return importlib.util.find_spec(_OPENBLAS_WHEEL) is not None
+
+
+def status():
+    """In words: the library the kernels' GEMMs call and who sets its threads, or why there is none."""
+    try:
+        name = library()
+    except RuntimeError as e:
+        return f"{e}: CPU ops run their chunks on one thread"
+    if name is None:
+        refused = "".join(f" ({why})" for why in _refused.values())
+        return ("no BLAS minidl binds is installed (pip install 'minidl[openblas]' or 'minidl[mkl]')"
+                f"{refused}: kernels take their NumPy routes and CPU ops run their chunks on one thread")
+    return f"{name}: its GEMMs on minidl's thread count, one thread each in the intra-op threads"
+
+
+def _blocktime_setting(environ=None):
+    """{"KMP_BLOCKTIME": ms} from the opt-in ``MINIDL_OMP_BLOCKTIME_MS`` (a whole number of
+    milliseconds, 0 or more), or {} where it is unset; ValueError naming it otherwise."""
+    text = (os.environ if environ is None else environ).get(_BLOCKTIME_OPT_IN)
+    if not text:
+        return {}
+    if not text.strip().isdigit():
+        raise ValueError(f"{_BLOCKTIME_OPT_IN} must be a whole number of milliseconds (0 or more), got {text!r}")
+    return {"KMP_BLOCKTIME": str(int(text))}
+
+
+def _load_openblas():
+    path = _openblas_path()
+    if path is None:
+        return {}
+    lib = ctypes.CDLL(path)
+    fns = _bind(lib, "scipy_cblas_", "64_", ctypes.c_int64)  # the wheel's ILP64 names
+    if fns:
+        set_count, get_count = lib.scipy_openblas_set_num_threads64_, lib.scipy_openblas_get_num_threads64_
+        set_count.argtypes, set_count.restype = [ctypes.c_int], None
+        get_count.argtypes, get_count.restype = [], ctypes.c_int
+        _counts["openblas"] = (set_count, get_count)
+        _blas_int["openblas"] = ctypes.c_int64
+        with _lock:
+            if _one_thread["depth"] == 0:
+                set_count(thread_count.get())
+            else:
+                set_count(1)
+    return fns
+
+
+def _load_mkl():
+    fns = {}
+    for path in _mkl_paths():
+        # OpenMP reads KMP_BLOCKTIME once, when it starts: MKL_Get_Max_Threads starts it, inside
+        # the block where the opt-in's value is in the environment.
+        with _environ_for_load(_blocktime_setting()):
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            lib.MKL_Set_Threading_Layer(_MKL_INTEL_THREADS)
+            lib.MKL_Set_Num_Threads(1)  # threads come per call (matmul's threads), thread-locally
+            lib.MKL_Get_Max_Threads()
+        fns = _bind(lib, "cblas_", "", ctypes.c_int)  # mkl_rt's default interface is LP64
+        if fns and not _products_agree(fns, lib.MKL_Set_Num_Threads_Local):
+            # Seen with PyTorch imported first: its MKL's symbols, already in the process, take
+            # the place of some of this one's, and GEMMs come out wrong. Never silently wrong.
+            _refused["mkl"] = (f"MKL ({path}) was loaded after another copy of MKL in this process "
+                               f"(e.g. PyTorch's, when torch is imported before minidl's kernels "
+                               f"first run) and its GEMMs disagree with NumPy's")
+            warnings.warn(f"minidl: {_refused['mkl']}; the CPU kernels use the OpenBLAS wheel (or NumPy) instead "
+                          f"(to keep MKL, call minidl.kernels.cpu.blas.load('mkl') before importing torch; "
+                          f"MINIDL_BLAS=openblas chooses OpenBLAS without this warning)", RuntimeWarning,
+                          stacklevel=3)
+            fns = {}
+        if fns:
+            set_local = lib.MKL_Set_Num_Threads_Local
+            set_local.argtypes, set_local.restype = [ctypes.c_int], ctypes.c_int
+            _set_local["mkl"] = set_local
+            get_count = lib.MKL_Get_Max_Threads
+            get_count.restype = ctypes.c_int
+            _counts["mkl"] = (None, get_count)  # its global count stays 1 (see the module docstring)
+            _blas_int["mkl"] = ctypes.c_int
+            break
+    return fns
 
 
 def load(name):
     """{dtype char: gemm} of library ``name`` ('mkl' or 'openblas'), loading it once; {} when absent."""
     if name not in _found:
-        fns = {}
-        if name == "openblas":
-            lib = intra_op._openblas()
-            for prefix, suffix, blas_int in _OPENBLAS_NAMES if lib else ():
-                fns = _bind(lib, prefix, suffix, blas_int)
-                if fns:
-                    _set_local[name] = lib.openblas_set_num_threads_local
-                    _blas_int[name] = blas_int
-                    break
-        else:
-            for path in _mkl_paths():
-                try:
-                    lib = ctypes.CDLL(path)
-                except OSError:
-                    continue
-                # Before OpenMP starts (it reads its environment once) and MKL's first computation.
-                os.environ.setdefault("KMP_BLOCKTIME", _BLOCKTIME_MS)
-                lib.MKL_Set_Threading_Layer(_MKL_INTEL_THREADS)
-                lib.MKL_Set_Num_Threads(1)  # threads come per call (matmul's threads), thread-locally
-                fns = _bind(lib, "cblas_", "", ctypes.c_int)  # mkl_rt's default interface is LP64
-                if fns and not _products_agree(fns, lib.MKL_Set_Num_Threads_Local):
-                    # Seen with PyTorch imported first: its MKL's symbols, already in the process, take
-                    # the place of some of this one's, and GEMMs come out wrong. Never silently wrong.
-                    _refused[name] = (f"MKL ({path}) was loaded after another copy of MKL in this process "
-                                      f"(e.g. PyTorch's, when torch is imported before minidl's kernels "
-                                      f"first run) and its GEMMs disagree with NumPy's")
-                    warnings.warn(f"minidl: {_refused[name]}; the CPU kernels use NumPy's OpenBLAS instead "
-                                  f"(to keep MKL, call minidl.kernels.cpu.blas.load('mkl') before importing torch; "
-                                  f"MINIDL_BLAS=openblas chooses OpenBLAS without this warning)", RuntimeWarning,
-                                  stacklevel=2)
-                    fns = {}
-                if fns:
-                    _set_local[name] = lib.MKL_Set_Num_Threads_Local
-                    _blas_int[name] = ctypes.c_int
-                    break
-        _found[name] = fns
+        _found[name] = _load_openblas() if name == "openblas" else _load_mkl()
     return _found[name]
+
+
+def set_num_threads(n):
+    """Gives the loaded OpenBLAS ``n`` threads (a library loaded later reads thread_count at its load;
+    inside :func:`one_thread` blocks it stays at 1 until the last one ends). MKL's count is set per
+    call from the same number (matmul.py), its global count staying 1. threads.py calls this."""
+    with _lock:
+        counts = _counts.get("openblas")
+        if counts is not None and _one_thread["depth"] == 0:
+            counts[0](thread_count.check(n))
+
+
+def num_threads(name):
+    """The threads library ``name``'s next GEMM from this thread runs on, by the library's own getter
+    (MKL: its thread-local count, else its global 1); None where it is not loaded."""
+    counts = _counts.get(name)
+    return None if counts is None else int(counts[1]())
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Inside the block, every GEMM of the loaded OpenBLAS runs on one thread (MKL's global count is
+    1 already): the intra-op threads run theirs at once, one core each. OpenBLAS's count is
+    process-wide, so it is 1 from the first open block to the end of the last one, also when
+    several threads' blocks overlap, then the thread count again."""
+    with _lock:
+        _one_thread["depth"] += 1
+        counts = _counts.get("openblas")
+        if counts is not None and _one_thread["depth"] == 1:
+            counts[0](1)
+    try:
+        yield
+    finally:
+        with _lock:
+            _one_thread["depth"] -= 1
+            counts = _counts.get("openblas")
+            if counts is not None and _one_thread["depth"] == 0:
+                counts[0](thread_count.get())
+
+
+def chunks_may_run_in_parallel():
+    """Whether the kernels' GEMMs go to a library whose threads minidl sets (:func:`library` is one),
+    so that intra-op threads can each run theirs on one thread. Without one, a chunk's GEMM is
+    ``numpy.matmul`` on NumPy's own pool, which minidl leaves alone: the chunks then run in turn."""
+    try:
+        return library() is not None
+    except RuntimeError:  # the blas option names a library that is absent: the kernels say so
+        return False
 
 
 def _products_agree(fns, set_local_threads):
@@ -164,8 +280,7 @@ def library():
             if choice in _refused:
                 raise RuntimeError(f"kernels option blas={choice!r}, but {_refused[choice]}: set blas='openblas' "
                                    f"or None, or call minidl.kernels.cpu.blas.load('mkl') before importing torch")
-            raise RuntimeError(f"kernels option blas={choice!r}, but it was not found"
-                               + (": pip install 'minidl[mkl]'" if choice == "mkl" else f" ({intra_op.blas_status()})"))
+            raise RuntimeError(f"kernels option blas={choice!r}, but it was not found: pip install 'minidl[{choice}]'")
         return choice
     for name in ("mkl", "openblas"):
         if load(name):
@@ -218,7 +333,8 @@ def _rows(a):
 
 def matmul(a, b, out, beta=0.0, threads=1):
     """``out[...] = a @ b + beta * out`` for 2-D NumPy views (any row pitch, either orientation) of
-    one float dtype through :func:`gemm`, on ``threads`` threads of the library's own; False
+    one float dtype through :func:`gemm`, on ``threads`` threads of MKL's own (OpenBLAS: on its
+    count, which is minidl's thread count, 1 inside :func:`one_thread`); False
     (nothing done) where BLAS cannot take them as they lie. Whether it can depends only on dtypes
     and strides, not on the values. Where Numba is installed the same call is made from compiled
     code (the ``blas_compiled`` option, blas_compiled.py)."""
@@ -238,7 +354,7 @@ def matmul(a, b, out, beta=0.0, threads=1):
         return False
     (pa, lda, ta), (pb, ldb, tb) = ra, rb
     m, k = a.shape
-    set_local = _set_local[name] if threads != 1 else None
+    set_local = _set_local.get(name) if threads != 1 else None  # OpenBLAS: its count is already ours
     previous = set_local(threads) if set_local else None
     try:
         fn(_ROW_MAJOR, _TRANS if ta else _NO_TRANS, _TRANS if tb else _NO_TRANS,
@@ -250,16 +366,17 @@ def matmul(a, b, out, beta=0.0, threads=1):
 
 
 def _compiled_call(name):
-    """(blas_compiled.py, (library ``name``'s {dtype char: gemm address}, its thread-count setter's
-    address, a sample of its BLAS integer type)), made once per library."""
+    """(blas_compiled.py, (library ``name``'s {dtype char: gemm address}, its thread-local thread-count
+    setter's address, 0 where it has none (OpenBLAS), a sample of its BLAS integer type)), made once
+    per library."""
     entry = _compiled.get(name)
     if entry is None:
         module = _compiled.get("module")
         if module is None:
             from . import blas_compiled as module
             _compiled["module"] = module
-        address_of = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
+        address_of = lambda f: ctypes.cast(f, ctypes.c_void_p).value if f is not None else 0  # noqa: E731
         sample = numpy.int64(0) if _blas_int[name] is ctypes.c_int64 else numpy.int32(0)
         entry = _compiled[name] = (module, ({c: address_of(f) for c, f in _found[name].items()},
-                                            address_of(_set_local[name]), sample))
+                                            address_of(_set_local.get(name)), sample))
     return entry

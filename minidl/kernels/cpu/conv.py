@@ -27,7 +27,7 @@ float32 sums, relative to the terms' magnitudes (see ``BOUND``).
 """
 import numpy
 
-from ... import _intra_op as intra_op
+from . import threads as intra_op
 from ...backend import get_array_module
 from ...ops.conv import Conv2D, Conv2DTranspose
 from ...tensor import is_grad_enabled

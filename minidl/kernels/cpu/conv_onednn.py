@@ -10,30 +10,36 @@ the blocked x and w the forward kept. Measured per ResNet-20 shape against conv.
 and PyTorch: docs/performance.md.
 
 One plan per call geometry (shapes, stride, dilation, pads): the primitive descriptors,
-primitives and reorders, made at the first call of that geometry (a few ms) and kept. oneDNN
-runs its primitives on its own OpenMP threads, as many as minidl's intra-op threads.
+primitives and reorders, made at the first call of that geometry (a few ms) and kept for the
+latest ``_MAX_PLANS`` geometries (least recently used evicted; :func:`clear_plans` drops them
+all). An evicted plan's oneDNN objects are destroyed when the last holder lets go of it: at once,
+or when the nodes recorded for backward with it (and a call running it on another thread rank)
+are done. oneDNN runs its primitives on its own OpenMP threads, as many as
+``onednn.set_num_threads`` says (minidl.set_num_threads calls it).
 
 Bound: oneDNN blocks and orders the sums over channels and kernel offsets otherwise than the
 reference's one GEMM: float32 rounding, as conv.py's routes (the same ``BOUND``). float64,
 grouped convolutions, calls from inside an intra-op thread, and a process forked after oneDNN
 ran (onednn.py) take conv.py's routes.
 """
+import threading
+from collections import OrderedDict
+
 import numpy
 
-from ... import _intra_op as intra_op
+from . import threads as intra_op
 from ...ops.conv import Conv2D
 from ...tensor import is_grad_enabled
 from .. import Kernel, declare_option, get_option, register
 from . import onednn as dnnl
 from .conv import BOUND, conv_cases
 
-__all__ = ["Conv2DOneDNN"]
+__all__ = ["Conv2DOneDNN", "clear_plans"]
 
 declare_option("onednn", True, "Conv2D on oneDNN's kernels where the onednn extra is installed (float32, "
                                "ungrouped); False: conv.py's tap and im2col routes")
 
-_plans = {}  # call geometry -> _Plan, or None where oneDNN has no primitive for it
-_MAX_PLANS = 256  # a model with ever new input sizes would keep making plans: start over past this
+_MAX_PLANS = 256  # a model with ever new input sizes would keep making plans: keep the latest only
 
 
 class _Plan:
@@ -48,21 +54,20 @@ class _Plan:
         free = [d.handle for d in self._free]
         fwd = dnnl.primitive_desc("dnnl_convolution_forward_primitive_desc_create", dnnl.FORWARD_TRAINING,
                                   dnnl.CONVOLUTION_DIRECT, free[0], free[1], None, free[2], *geometry, None)
-        self.fwd = self._primitive(fwd, {dnnl.ARG_SRC: dnnl.SRC_MD, dnnl.ARG_WEIGHTS: dnnl.WEIGHTS_MD,
-                                         dnnl.ARG_DST: dnnl.DST_MD})
+        self.fwd = dnnl.Primitive.chosen(fwd, {dnnl.ARG_SRC: dnnl.SRC_MD, dnnl.ARG_WEIGHTS: dnnl.WEIGHTS_MD,
+                                               dnnl.ARG_DST: dnnl.DST_MD})
+        # The backward descriptors are made with the forward one as a hint: they keep it alive.
         data = dnnl.primitive_desc("dnnl_convolution_backward_data_primitive_desc_create", dnnl.CONVOLUTION_DIRECT,
-                                   free[0], free[1], free[2], *geometry, fwd, None)
-        self.data = self._primitive(data, {dnnl.ARG_DIFF_SRC: dnnl.DIFF_SRC_MD, dnnl.ARG_WEIGHTS: dnnl.WEIGHTS_MD,
-                                           dnnl.ARG_DIFF_DST: dnnl.DIFF_DST_MD})
-        weights = dnnl.primitive_desc("dnnl_convolution_backward_weights_primitive_desc_create",
-                                      dnnl.CONVOLUTION_DIRECT, free[0], free[1], None, free[2], *geometry, fwd, None)
-        self.weights = self._primitive(weights, {dnnl.ARG_SRC: dnnl.SRC_MD, dnnl.ARG_DIFF_WEIGHTS: dnnl.DIFF_WEIGHTS_MD,
+                                   free[0], free[1], free[2], *geometry, fwd.handle, None, keep=[fwd])
+        self.data = dnnl.Primitive.chosen(data, {dnnl.ARG_DIFF_SRC: dnnl.DIFF_SRC_MD, dnnl.ARG_WEIGHTS: dnnl.WEIGHTS_MD,
                                                  dnnl.ARG_DIFF_DST: dnnl.DIFF_DST_MD})
+        weights = dnnl.primitive_desc("dnnl_convolution_backward_weights_primitive_desc_create",
+                                      dnnl.CONVOLUTION_DIRECT, free[0], free[1], None, free[2], *geometry, fwd.handle,
+                                      None, keep=[fwd])
+        self.weights = dnnl.Primitive.chosen(weights, {dnnl.ARG_SRC: dnnl.SRC_MD,
+                                                       dnnl.ARG_DIFF_WEIGHTS: dnnl.DIFF_WEIGHTS_MD,
+                                                       dnnl.ARG_DIFF_DST: dnnl.DIFF_DST_MD})
         self._reorders = {}
-
-    @staticmethod
-    def _primitive(pd, queries):
-        return dnnl.Primitive(pd, {arg: dnnl.query_md(pd, what) for arg, what in queries.items()})
 
     def into(self, name, array, desc):
         """``array`` (plain NCHW or OIHW, C-contiguous) laid out as ``desc``: itself where they agree."""
@@ -85,17 +90,54 @@ class _Plan:
         return self._reorders[key]
 
 
+class _Plans:
+    """The plans of the latest ``size`` geometries, least recently used evicted first. Evicting
+    drops the cache's reference only: the plan's oneDNN objects go when its last holder lets go."""
+
+    def __init__(self, size):
+        self.size, self._plans = size, OrderedDict()
+        self._lock = threading.Lock()  # thread ranks look up and make plans at once
+
+    def get(self, key, make):
+        """The plan of ``key``, made by ``make()`` where there is none."""
+        with self._lock:
+            if key in self._plans:
+                self._plans.move_to_end(key)
+                return self._plans[key]
+            plan = self._plans[key] = make()
+            while len(self._plans) > self.size:
+                self._plans.popitem(last=False)
+            return plan
+
+    def clear(self):
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self):
+        return len(self._plans)
+
+    def values(self):
+        with self._lock:
+            return list(self._plans.values())
+
+
+_plans = _Plans(_MAX_PLANS)  # call geometry -> _Plan, or None where oneDNN has no primitive for it
+
+
+def clear_plans():
+    """Drops every kept plan (nodes recorded for backward keep theirs until they are done)."""
+    _plans.clear()
+
+
 def _plan(node, x_shape, w_shape):
     (oh, ow), pads = node.geometry(x_shape)
-    key = (x_shape, w_shape, node.stride, node.dilation, pads)
-    if key not in _plans:
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()  # (nodes recorded for backward keep their own plan)
+
+    def make():
         try:
-            _plans[key] = _Plan(x_shape, w_shape, (x_shape[0], w_shape[0], oh, ow), node.stride, node.dilation, pads)
+            return _Plan(x_shape, w_shape, (x_shape[0], w_shape[0], oh, ow), node.stride, node.dilation, pads)
         except dnnl.Error:
-            _plans[key] = None  # no oneDNN primitive for this geometry: conv.py's routes take it
-    return _plans[key]
+            return None  # no oneDNN primitive for this geometry: conv.py's routes take it
+    return _plans.get((x_shape, w_shape, node.stride, node.dilation, pads), make)
 
 
 @register
@@ -118,7 +160,6 @@ class Conv2DOneDNN(Kernel):
         xb = plan.into("x", x, fwd[dnnl.ARG_SRC])
         wb = plan.into("w", w, fwd[dnnl.ARG_WEIGHTS])
         yb = dnnl.buffer(fwd[dnnl.ARG_DST])
-        dnnl.threads(intra_op.get_num_threads())
         plan.fwd({dnnl.ARG_SRC: xb, dnnl.ARG_WEIGHTS: wb, dnnl.ARG_DST: yb})
         if is_grad_enabled():
             node.plan, node.x, node.w, node.xb, node.wb = plan, x, w, xb, wb
@@ -127,7 +168,6 @@ class Conv2DOneDNN(Kernel):
     def backward(self, node, gy):
         plan, (need_x, need_w) = node.plan, node.needs_grad
         gy = numpy.ascontiguousarray(gy)
-        dnnl.threads(intra_op.get_num_threads())
         fwd, data, weights = plan.fwd.descs, plan.data.descs, plan.weights.descs
         gx = gw = gyb = None
         if need_x:

@@ -26,7 +26,7 @@ Chunks. On the CPU the batch goes through in chunks of images whose columns, tho
 threads' chunks together, fit the ``conv_cache_bytes`` option; padding, im2col and GEMM of a
 chunk then stay in cache, which halved the time of the 16- and 32-channel convs against one
 whole-batch im2col. The chunks run on ``minidl.get_num_threads()`` threads, each with its own
-buffers and a single-threaded BLAS (minidl/_intra_op.py), so the copies use every core too.
+buffers and a single-threaded BLAS (threads.py), so the copies use every core too.
 No column matrix is saved: backward keeps x and rebuilds what it needs. On a GPU the chunks
 run on one thread and are bounded for memory, not cache (``gpu_im2col_bytes``), and every
 column matrix there is a plain contiguous buffer (no padded row pitch), which CuPy's matmul
@@ -34,13 +34,13 @@ would otherwise copy before the GEMM.
 """
 import numpy
 
-from ... import _intra_op as intra_op
+from . import threads as intra_op
 from .. import declare_option, get_option
 from . import blas
 
 # 4 MB per thread overfilled an 8 MB last-level cache shared by 2 cores; 2 MB each (that machine's
 # L2) ran the ResNet-20 step 1.01-1.09x faster over five paired runs (benchmarks/bench_step_ab.py):
-# by default each thread's chunk is this machine's L2 (sysfs, minidl/_intra_op.py).
+# by default each thread's chunk is this machine's L2 (sysfs, threads.py).
 declare_option("conv_cache_bytes", None, "column bytes of the conv chunks all intra-op threads work on at "
                "once on the CPU (each thread's chunk: this / threads); None: the L2 size times the threads")
 declare_option("images_per_chunk", None, "images per im2col + GEMM chunk of the conv kernels (CPU and GPU); "
@@ -126,7 +126,7 @@ class _Windows:
 
     def chunking(self, xp, dtype):
         """(chunks of images, threads): the chunks that one im2col + GEMM step each takes, and
-        how many threads run them, chunk i on thread i % threads (see minidl/_intra_op.py).
+        how many threads run them, chunk i on thread i % threads (see threads.py).
         A chunk's columns stay under budget bytes / threads, or it holds ``images_per_chunk``."""
         per_image = self.k * self.oh * self.q * dtype.itemsize
         budget, threads = self.budget

@@ -13,7 +13,7 @@ terms of values ~1 differ in the last bits of the sum (relative to the terms' ma
 """
 import numpy
 
-from ... import _intra_op as intra_op
+from . import threads as intra_op
 from ...ops.linalg import MatMul, check_matmul
 from .. import Kernel, register
 from . import blas

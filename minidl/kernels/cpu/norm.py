@@ -46,7 +46,7 @@ normalising a near-constant channel multiplies every rounding difference by up t
 """
 import numpy
 
-from ... import _intra_op as intra_op
+from . import threads as intra_op
 from ...ops.norm import BatchNorm
 from ...ops.norm_relu import BatchNormReLU
 from .. import Kernel, declare_option, get_option, register
@@ -60,7 +60,7 @@ BOUND = {"float32": (2e-5, 2e-4), "float64": (1e-12, 1e-12)}
 # Measured fwd+bwd in training, float32, 2-core Xeon (2 MiB L2), 2026-11: the reference's time over
 # the kernels' 1.3-1.5x at 1 MB, 1.1-1.2x at 512 KB, 1.0-1.1x at 256 KB, 0.6x at 32 KB (the
 # per-channel images and the Python around the passes cost more than they save).
-# The thresholds scale with this machine's L2 (sysfs, minidl/_intra_op.py).
+# The thresholds scale with this machine's L2 (sysfs, threads.py).
 declare_option("batchnorm_min_bytes", intra_op.l2_bytes() // 4,
                "training BatchNorm / BatchNormReLU inputs of at least this many bytes take the CPU kernels "
                "(smaller: the reference)")

@@ -21,11 +21,11 @@ Conv2DRoutes._grads_by_correlation for why the input gradient's pass is the one 
 
 Chunks of images (sized so a thread's input, output and ``times`` buffers fit the
 ``conv_cache_bytes`` budget, as im2col.py's columns do) run on the intra-op threads, each with
-its own buffers and single-threaded BLAS, in the static order of minidl/_intra_op.py.
+its own buffers and single-threaded BLAS, in the static order of threads.py.
 """
 import numpy
 
-from ... import _intra_op as intra_op
+from . import threads as intra_op
 from .. import get_option
 from . import blas
 from .im2col import _row_pitch

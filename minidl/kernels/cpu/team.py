@@ -3,7 +3,8 @@
 Why. On the MLP, a training step is GEMMs on MKL's threads with a few memory-bound passes
 between them (the bias and ReLU, the ReLU's masked gradient, the optimizer's update). Those
 passes ran on one core. MKL's OpenMP team is still spinning on the other cores then (for
-``KMP_BLOCKTIME`` after each GEMM, blas.py), so waking minidl's own intra-op pool for them
+``KMP_BLOCKTIME`` after each GEMM: blas.py's opt-in ``MINIDL_OMP_BLOCKTIME_MS``), so waking
+minidl's own intra-op pool for them
 only made its threads fight the spinning team for the cores (a slower step). Handing the pass
 to that team instead costs one OpenMP fork/join on threads already awake, and a second
 core adds memory bandwidth to these memory-bound passes: ``python benchmarks/bench_step_ab.py --model mlp
@@ -15,19 +16,17 @@ runtime's ``GOMP_parallel(job, header, threads)`` through ctypes (which releases
 team thread claims chunks of the pass from the header and runs the serial kernel's own compiled
 loop on them, so a pass gives the same bits on the team or not (team_jobs.py says why).
 
-The runtime is Intel OpenMP (libiomp5, which also speaks GCC's ``GOMP_*`` entry points), as
-loaded by blas.py for MKL. Without MKL and Numba (the ``mkl`` and ``numba`` extras) there is no
+The runtime is Intel OpenMP (libiomp5, which also speaks GCC's ``GOMP_*`` entry points), the
+copy MKL loaded (blas.py) and no other. Without MKL and Numba (the ``mkl`` and ``numba`` extras) there is no
 team: :func:`available` is false and the kernels run their passes on the calling thread. Also
 serial: a call from an intra-op pool thread (it is already one of several), and, through
 :func:`threads`, passes below ``team_min_bytes``.
 """
 import ctypes
-import glob
 import importlib.util
 import os
-import sys
 
-from ... import _intra_op as intra_op
+from . import threads as intra_op
 from .. import declare_option, get_option
 from . import blas
 
@@ -46,15 +45,20 @@ declare_option("team_min_bytes", intra_op.l2_bytes() // 2,
 _state = {}  # "runtime": (GOMP_parallel,), or None when absent
 
 
-def _iomp_paths():
-    return sorted(glob.glob(os.path.join(sys.prefix, "lib", "libiomp5.so*")))
+def _loaded_iomp():
+    """The Intel OpenMP runtime MKL loaded (blas.py starts it when it loads MKL), as a ctypes library:
+    asked for by its soname with RTLD_NOLOAD, so it is that very copy or nothing, never another file."""
+    try:
+        return ctypes.CDLL("libiomp5.so", mode=os.RTLD_NOLOAD)
+    except OSError:
+        return None
 
 
 def _runtime():
     if "runtime" not in _state:
         found = None
-        if importlib.util.find_spec("numba") is not None and blas.load("mkl") and _iomp_paths():
-            lib = ctypes.CDLL(_iomp_paths()[0])  # the copy MKL loaded (the same file: the same library)
+        lib = _loaded_iomp() if importlib.util.find_spec("numba") is not None and blas.load("mkl") else None
+        if lib is not None:
             fork_join = lib.GOMP_parallel
             fork_join.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
             fork_join.restype = None

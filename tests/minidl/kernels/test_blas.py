@@ -26,7 +26,7 @@ def wheel_installed(name):
 @pytest.fixture
 def fresh_blas(monkeypatch):
     """blas.py as in a new process: no library loaded yet (the process's own loads are restored after)."""
-    for cache in ("_found", "_set_local", "_blas_int", "_compiled"):
+    for cache in ("_found", "_set_local", "_counts", "_blas_int", "_compiled"):
         monkeypatch.setattr(blas, cache, {})
     return blas
 
@@ -42,16 +42,94 @@ def ctypes_route():
 
 
 def test_installed_says_whether_each_library_is_there():
-    # MKL is the mkl wheel's libmkl_rt under sys.prefix/lib; OpenBLAS is the copy NumPy's wheel ships.
+    # MKL is the mkl wheel's libmkl_rt; OpenBLAS is the scipy-openblas64 wheel (never NumPy's own copy).
     assert blas.installed("mkl") == wheel_installed("mkl")
-    assert blas.installed("openblas") is True
+    assert blas.installed("openblas") == wheel_installed("scipy-openblas64")
+
+
+@pytest.mark.skipif(not wheel_installed("scipy-openblas64"),
+                    reason="needs the openblas extra: pip install -e '.[openblas]'")
+def test_openblas_is_the_declared_wheels_library_found_through_its_documented_api():
+    import scipy_openblas64
+    path = blas._openblas_path()
+    assert path == os.path.join(scipy_openblas64.get_lib_dir(), scipy_openblas64.get_library(fullname=True))
+    assert "numpy.libs" not in path and os.path.exists(path)
+
+
+def test_without_the_openblas_wheel_nothing_is_loaded_and_the_status_names_the_extras(fresh_blas, monkeypatch):
+    real_find_spec = blas.importlib.util.find_spec
+    monkeypatch.setattr(blas.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "scipy_openblas64" else real_find_spec(name, *a))
+    monkeypatch.setattr(blas, "_mkl_paths", lambda: [])
+    kernels.set_option("blas", None)
+    assert blas.installed("openblas") is False and blas.load("openblas") == {}
+    assert blas.library() is None and not blas.chunks_may_run_in_parallel()
+    assert blas.status().startswith(
+        "no BLAS minidl binds is installed (pip install 'minidl[openblas]' or 'minidl[mkl]')")
+    kernels.set_option("blas", "openblas")
+    try:
+        with pytest.raises(RuntimeError, match=r"kernels option blas='openblas', but it was not found: "
+                                               r"pip install 'minidl\[openblas\]'"):
+            blas.library()
+    finally:
+        kernels.set_option("blas", None)
+
+
+def test_a_setting_for_a_load_is_in_the_environment_only_during_it(monkeypatch):
+    monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
+    before = dict(os.environ)
+    with blas._environ_for_load({"KMP_BLOCKTIME": "1"}):
+        assert os.environ["KMP_BLOCKTIME"] == "1"
+    assert dict(os.environ) == before
+    monkeypatch.setenv("KMP_BLOCKTIME", "50")  # the user's own value wins and stays
+    with blas._environ_for_load({"KMP_BLOCKTIME": "1"}):
+        assert os.environ["KMP_BLOCKTIME"] == "50"
+    assert os.environ["KMP_BLOCKTIME"] == "50"
+
+
+def test_the_blocktime_opt_in_is_whole_milliseconds_and_names_itself():
+    assert blas._blocktime_setting({}) == {}
+    assert blas._blocktime_setting({"MINIDL_OMP_BLOCKTIME_MS": "1"}) == {"KMP_BLOCKTIME": "1"}
+    for bad in ("soon", "-1", "1.5"):
+        with pytest.raises(ValueError, match=f"MINIDL_OMP_BLOCKTIME_MS must be a whole number of milliseconds "
+                                             f"\\(0 or more\\), got '{bad}'"):
+            blas._blocktime_setting({"MINIDL_OMP_BLOCKTIME_MS": bad})
+
+
+_LOAD_AND_REPORT = """
+import ctypes, os, numpy as np
+before = dict(os.environ)
+from minidl.kernels.cpu import blas
+assert blas.load("mkl")
+blas.load("openblas")
+a = np.ones((64, 64), np.float32)
+out = np.empty_like(a)
+assert blas.matmul(a, a, out, threads=2)
+iomp = ctypes.CDLL("libiomp5.so", mode=os.RTLD_NOLOAD)  # the OpenMP runtime MKL loaded
+print(iomp.kmp_get_blocktime(), dict(os.environ) == before)
+"""
+
+
+@pytest.mark.skipif(not wheel_installed("mkl"), reason="needs the mkl extra: pip install -e '.[mkl]'")
+@pytest.mark.parametrize("opt_in, blocktime", [(None, 200), ("1", 1)])
+def test_loading_the_libraries_leaves_the_environment_and_blocktime_is_an_opt_in(opt_in, blocktime):
+    """A fresh process (OpenMP reads its settings once): loading MKL (and the OpenBLAS wheel) and a
+    threaded GEMM leave os.environ as it was; OpenMP's spin after a GEMM stays its default, 200 ms,
+    unless MINIDL_OMP_BLOCKTIME_MS asks for another."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KMP_BLOCKTIME", "MINIDL_OMP_BLOCKTIME_MS")}
+    if opt_in is not None:
+        env["MINIDL_OMP_BLOCKTIME_MS"] = opt_in
+    done = subprocess.run([sys.executable, "-c", _LOAD_AND_REPORT], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [str(blocktime), "True"]
 
 
 @pytest.mark.parametrize("name", ["openblas", "mkl"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_a_fresh_load_binds_both_gemms_that_compute_the_product(fresh_blas, name, dtype):
     if not blas.installed(name):
-        pytest.skip(f"{name} is not installed: pip install -e '.[{name}]'")  # (openblas comes with NumPy)
+        pytest.skip(f"{name} is not installed: pip install -e '.[{name}]'")
     fns = fresh_blas.load(name)
     assert sorted(fns) == ["d", "f"]
     rng = np.random.default_rng(0)
@@ -126,7 +204,7 @@ def test_a_gemm_that_disagrees_with_numpy_is_found_on_one_thread_and_on_two(wron
     """MKL loaded after PyTorch's copy computed wrong products on two threads only: the load-time
     check compares each bound GEMM with NumPy's at one thread and at two, B transposed or not."""
     if not blas.load("openblas"):
-        pytest.skip("NumPy's OpenBLAS is not reachable here")
+        pytest.skip("needs the openblas extra: pip install -e '.[openblas]'")
     good = blas.load("openblas")
     counts = []
 
@@ -170,5 +248,6 @@ print(blas.library(), [str(c.message) for c in caught])
                           env=dict(os.environ, MINIDL_NUM_THREADS="2"))
     assert done.returncode == 0, done.stderr[-3000:]
     library, said = done.stdout.split(" ", 1)
-    # where MKL's GEMMs go wrong after PyTorch's it is refused with a warning; where they agree it stays
-    assert library == "openblas" and "was loaded after another copy of MKL" in said or library == "mkl"
+    # where MKL's GEMMs go wrong after PyTorch's it is refused with a warning (then the OpenBLAS wheel
+    # where installed, else NumPy's routes); where they agree it stays
+    assert library in ("openblas", "None") and "was loaded after another copy of MKL" in said or library == "mkl"

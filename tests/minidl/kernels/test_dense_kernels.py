@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 import minidl
-from minidl import _intra_op as intra_op, kernels, ops, Tensor
+from minidl import kernels, ops, Tensor
+from minidl.kernels.cpu import threads as intra_op
 from minidl.kernels.cpu import blas, dense as dense_kernels
 from minidl.kernels.cpu.dense import DenseBLAS, DenseReLUBLAS
 from minidl.kernels.cpu.matmul import MatMulThreaded

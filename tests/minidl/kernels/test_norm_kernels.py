@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, strategies as st
 
-from minidl import _intra_op as intra_op, kernels, ops, Tensor
+from minidl import kernels, ops, Tensor
+from minidl.kernels.cpu import threads as intra_op
 from minidl.kernels.cpu import norm as norm_kernels
 from minidl.kernels.cpu.norm import BatchNormBlocked, BatchNormReLUBlocked
 from minidl.testing import check_op

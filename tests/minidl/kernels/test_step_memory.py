@@ -4,7 +4,7 @@ tracemalloc) is far below one activation's size, on the kernels as on the refere
 
 Whatever a kernel needs between forward and backward lives on the autograd node and goes with
 the graph; a module-level cache, a kept work buffer, or a thread still holding the closure of its
-last task (minidl/_intra_op.py's pool did) would keep a step's arrays. The options send every
+last task (minidl/kernels/cpu/threads.py's pool did) would keep a step's arrays. The options send every
 size down the routes the large models take: the intra-op threads (map_rows, parallel_map), MKL's
 team, the BatchNorm kernels and the conv routes' chunks.
 """
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import minidl
-from minidl import _intra_op as intra_op, kernels, nn
+from minidl import kernels, nn
+from minidl.kernels.cpu import threads as intra_op
 
 pytestmark = pytest.mark.cpu_only
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from minidl import _intra_op as intra_op, kernels, ops, Tensor
+from minidl import kernels, ops, Tensor
+from minidl.kernels.cpu import threads as intra_op
 from minidl.kernels.cpu import dense, team
 
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("kernels_on"),
@@ -190,7 +191,7 @@ def test_the_runtime_found_afresh_runs_passes(monkeypatch):
 
 def test_without_the_openmp_runtime_there_is_no_team(monkeypatch):
     monkeypatch.setattr(team, "_state", {})
-    monkeypatch.setattr(team, "_iomp_paths", lambda: [])
+    monkeypatch.setattr(team, "_loaded_iomp", lambda: None)
     assert not team.available() and team.threads(1 << 30) == 1
     rng = np.random.default_rng(8)
     y, b = draw(rng, (64, 64), np.float32), draw(rng, (64,), np.float32, specials=False)

@@ -1,4 +1,4 @@
-"""Intra-op parallelism on the CPU: the chunks of one op on a few threads, one BLAS thread each.
+"""Intra-op parallelism on the CPU, and the one owner of minidl's thread counts.
 
 Why: a convolution on the CPU is, per chunk of images, a padding copy, an im2col copy, a
 GEMM and a transposing copy. NumPy runs the copies on one core, and OpenBLAS splits the
@@ -8,24 +8,22 @@ four steps: the ResNet-20 convolutions measured 1.5x faster on 2 cores
 (benchmarks/bench_train.py). NumPy releases the GIL in copies and in matmul, so Python
 threads are enough.
 
-A single-threaded BLAS for one thread only needs OpenBLAS's thread-local setting
-(``openblas_set_num_threads_local``, OpenBLAS >= 0.3.27, which NumPy's wheels ship). NumPy's
-build configuration (``numpy.show_config``) says which BLAS it uses; the OpenBLAS library is
-the one the wheel vendors in ``numpy.libs``, or one threadpoolctl (optional) sees loaded.
-Where there is none with that setting (another BLAS, an older OpenBLAS, a build whose
-library neither finds), ops run their chunks serially on one thread: :func:`blas_status`
-says which case holds and why.
+One owner: :func:`set_num_threads` (``minidl.set_num_threads``) sets every pool minidl uses:
+these intra-op threads, the BLAS the kernels call (blas.py: the OpenBLAS wheel's count, MKL's
+per-call count) and oneDNN's OpenMP threads (onednn.py). The count (thread_count.py) defaults to
+``MINIDL_NUM_THREADS``, else the cores this process may run on (``os.sched_getaffinity``).
+NumPy's own OpenBLAS (``numpy.matmul``) is NumPy's: minidl leaves its pool alone.
 
-The thread count follows the BLAS's (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS, else its
-default), at most the cores this process may run on (``os.sched_getaffinity``), so a
-framework comparison at N threads means N here too; ``MINIDL_NUM_THREADS`` overrides it and
-1 turns this off. Work is split statically (chunk i to thread i % T), so a result never
-depends on which thread was faster.
+A chunk's GEMM must run on one thread while the others run theirs: so chunks run in parallel
+only where the kernels' GEMMs go to a library whose count minidl sets (blas.py's
+:func:`~minidl.kernels.cpu.blas.one_thread`, with the ``openblas`` or ``mkl`` extra); without
+one they would be ``numpy.matmul`` on NumPy's pool, and the chunks run in turn on the calling
+thread (:func:`blas_status` says which case holds). Work is split statically (chunk i to thread
+i % T), so a result never depends on which thread was faster.
 
 Sizes that depend on the caches come from this machine's sysfs (:func:`cache_sizes`,
 :func:`l2_bytes`, :func:`min_parallel_bytes`), not from constants measured elsewhere.
 """
-import ctypes
 import glob
 import os
 import queue
@@ -33,14 +31,11 @@ import threading
 
 import numpy
 
-from .kernels import declare_option, get_option
-
-_SET_LOCAL = "openblas_set_num_threads_local"
-_GET_THREADS = ("openblas_get_num_threads", "scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_")
-_DETECT = object()  # "find NumPy's OpenBLAS" where a test passes a library (or None) instead
+from .. import declare_option, get_option
+from . import blas, onednn, thread_count
 
 _lock = threading.Lock()
-_state = {"blas": None, "blas_status": None, "threads": None, "pool": None}
+_state = {"pool": None}
 
 
 class _WorkerFlag(threading.local):
@@ -50,119 +45,35 @@ class _WorkerFlag(threading.local):
 _worker = _WorkerFlag()
 
 
-# ---- which BLAS: NumPy's build configuration, then the library itself ----
-
-def numpy_blas_name(config=None):
-    """The BLAS NumPy was built with, lower case ('scipy-openblas', 'accelerate', 'mkl', ...),
-    from ``numpy.show_config(mode="dicts")`` or the given ``config`` dict; '' when it does not say."""
-    if config is None:
-        config = numpy.show_config(mode="dicts")
-    return str(config.get("Build Dependencies", {}).get("blas", {}).get("name", "")).lower()
-
-
-def openblas_paths():
-    """Files that may hold NumPy's OpenBLAS: the wheel's vendored copy (``numpy.libs``) first,
-    then every OpenBLAS that threadpoolctl (optional) sees loaded in this process."""
-    libs = os.path.join(os.path.dirname(numpy.__file__), os.pardir, "numpy.libs")
-    paths = sorted(glob.glob(os.path.join(libs, "*openblas*")))
-    try:
-        import threadpoolctl
-    except ImportError:
-        pass
-    else:
-        paths += [info["filepath"] for info in threadpoolctl.threadpool_info() if info.get("internal_api") == "openblas"]
-    return list(dict.fromkeys(os.path.realpath(p) for p in paths))
-
-
-def find_openblas(blas_name, paths):
-    """(library, why): the first of ``paths`` that loads and has OpenBLAS's thread-local thread
-    count, as a ctypes library, else None; ``why`` says what was found, in words.
-
-    ``blas_name`` is NumPy's BLAS (:func:`numpy_blas_name`); one that is not OpenBLAS means
-    there is nothing to look for (its own threads would fight with ours: ops stay serial).
-    """
-    if blas_name and "openblas" not in blas_name:
-        return None, f"NumPy's BLAS is {blas_name!r}, not OpenBLAS: CPU ops run their chunks on one thread"
-    for path in paths:
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        if hasattr(lib, _SET_LOCAL):
-            getattr(lib, _SET_LOCAL).restype = ctypes.c_int
-            return lib, f"OpenBLAS with a thread-local thread count: {path}"
-    if not paths:
-        return None, ("NumPy's OpenBLAS was not found (no numpy.libs copy; threadpoolctl, optional, absent or "
-                      "seeing none): CPU ops run their chunks on one thread")
-    return None, (f"no {_SET_LOCAL} (OpenBLAS >= 0.3.27) in {', '.join(paths)}: "
-                  "CPU ops run their chunks on one thread")
-
-
-def _openblas():
-    """NumPy's OpenBLAS as a ctypes library with the thread-local setter, or False (found once)."""
-    if _state["blas"] is None:
-        lib, _state["blas_status"] = find_openblas(numpy_blas_name(), openblas_paths())
-        _state["blas"] = lib or False
-    return _state["blas"]
-
-
 def blas_status():
-    """In words: the BLAS the intra-op threads control, or why ops run their chunks on one thread."""
-    _openblas()
-    return _state["blas_status"]
+    """In words: the BLAS whose threads minidl sets for the intra-op threads, or why ops run their
+    chunks on one thread."""
+    return blas.status()
 
 
 # ---- how many threads ----
 
-def cores():
-    """The CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def _default_threads(environ=None, lib=_DETECT):
-    """MINIDL_NUM_THREADS when set, else the BLAS's thread count capped at :func:`cores`; 1 where
-    ``lib`` (NumPy's OpenBLAS unless given) has no thread-local setting."""
-    environ = os.environ if environ is None else environ
-    env = environ.get("MINIDL_NUM_THREADS")
-    n = None
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ValueError(f"MINIDL_NUM_THREADS must be a positive int, got {env!r}")
-    lib = _openblas() if lib is _DETECT else lib
-    if not lib:
-        return 1  # no per-thread BLAS control: the threads would fight over the BLAS's own
-    if n is not None:
-        return n
-    for name in _GET_THREADS:
-        if hasattr(lib, name):
-            return max(1, min(int(getattr(lib, name)()), cores()))
-    return cores()
+cores = thread_count.cores
 
 
 def get_num_threads():
-    """Threads one CPU op may use for its chunks (1: serial), like ``torch.get_num_threads``."""
-    if _state["threads"] is None:
-        _state["threads"] = _default_threads()
-    return _state["threads"]
+    """The threads minidl's CPU work may use (like ``torch.get_num_threads``): an op's chunks, the
+    BLAS the kernels call, oneDNN."""
+    return thread_count.get()
 
 
 def set_num_threads(n):
-    """Sets the threads a CPU op may use for its chunks (like ``torch.set_num_threads``).
+    """Sets the threads of every pool minidl uses (like ``torch.set_num_threads``): the intra-op
+    threads, the OpenBLAS wheel's count and MKL's per-call count (blas.py), oneDNN's OpenMP
+    threads (onednn.py). NumPy's own OpenBLAS, which ``numpy.matmul`` runs on, is not changed.
 
-    n > 1 needs NumPy's OpenBLAS with a thread-local thread count; without it ops stay
-    serial (:func:`blas_status` says why). The BLAS's own thread count (for GEMMs outside
-    these ops) is not changed.
+    Args:
+        n: a positive int.
     """
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"set_num_threads: n must be a positive int, got {n!r}")
+    thread_count.put(n)
+    blas.set_num_threads(n)
+    onednn.set_num_threads(n)
     with _lock:
-        _state["threads"] = n if n == 1 or _openblas() else 1
         pool, _state["pool"] = _state["pool"], None
     if pool is not None:
         pool.close()
@@ -183,7 +94,6 @@ class _Pool:
 
     def _work(self):
         _worker.active = True
-        _openblas().openblas_set_num_threads_local(1)
         while True:
             task = self.tasks.get()
             if task is None:
@@ -218,6 +128,7 @@ def in_worker():
 
 def parallel_map(fn, n):
     """[fn(0), ..., fn(n-1)]: the caller runs fn(0), the pool's threads the rest; n <= get_num_threads().
+    In turn on the calling thread where the kernels' BLAS is not one minidl sets (module docstring).
 
     Every call finishes before this returns, also when one raises (the first error is then
     re-raised): callers share buffers between the calls' results.
@@ -226,15 +137,15 @@ def parallel_map(fn, n):
         return [fn(i) for i in range(n)]
     if n > get_num_threads():
         raise ValueError(f"parallel_map: {n} calls for {get_num_threads()} threads")
+    if not blas.chunks_may_run_in_parallel():
+        return [fn(i) for i in range(n)]
     done = queue.SimpleQueue()
     pool = _pool()
     results, error = [None] * n, None
-    lib = _openblas()
-    # NumPy's OpenBLAS (0.3.31) keeps this count per process, not per thread as its name says: so it
-    # is 1 from before the first task is queued until the last one is back, or a worker's GEMM could
-    # run on the caller's full count of BLAS threads, oversubscribing the cores.
-    previous = lib.openblas_set_num_threads_local(1)
-    try:
+    # The OpenBLAS wheel's count is process-wide: it is 1 from before the first task is queued
+    # until the last one is back, or a worker's GEMM could run on the full count, oversubscribing
+    # the cores (MKL's global count is 1 always).
+    with blas.one_thread():
         for i in range(1, n):
             pool.tasks.put((fn, i, done))
         try:
@@ -246,8 +157,6 @@ def parallel_map(fn, n):
                 i, result, e = done.get()
                 results[i] = result
                 error = error or e
-    finally:
-        lib.openblas_set_num_threads_local(previous)
     if error is not None:
         raise error
     return results

@@ -1,12 +1,10 @@
-"""Intra-op threads: chunk splitting, the thread pool, finding NumPy's OpenBLAS (and running
-serially without it), sizes from the machine's caches, and ops that give the same results
-(against their references) on 1 thread and on several."""
-import ctypes.util
+"""Intra-op threads and the one owner of thread counts (minidl/kernels/cpu/threads.py): chunk
+splitting, the thread pool, every pool set by minidl.set_num_threads, running serially without a
+BLAS minidl sets, sizes from the machine's caches, and ops that give the same results (against
+their references) on 1 thread and on several."""
 import gc
 import multiprocessing
 import os
-import queue
-import sys
 import threading
 import time
 import types
@@ -17,11 +15,14 @@ import pytest
 from hypothesis import given, strategies as st
 
 import minidl
-from minidl import _intra_op as intra_op
 from minidl import kernels, ops, Tensor
+from minidl.kernels.cpu import blas, onednn, thread_count, threads as intra_op
 
-needs_local_blas = pytest.mark.skipif(not intra_op._openblas(),
-                                      reason="NumPy's BLAS has no thread-local thread count")
+needs_local_blas = pytest.mark.skipif(not blas.chunks_may_run_in_parallel(),
+                                      reason="needs a BLAS minidl sets the threads of: pip install -e '.[openblas]' "
+                                             "(or '.[mkl]')")
+needs_openblas_wheel = pytest.mark.skipif(not blas.installed("openblas"),
+                                          reason="needs the OpenBLAS wheel: pip install -e '.[openblas]'")
 
 
 @pytest.fixture
@@ -117,44 +118,14 @@ def test_parallel_map_refuses_more_calls_than_threads_and_says_both():
         intra_op.parallel_map(lambda i: i, n + 1)
 
 
-@needs_local_blas
-def test_parallel_map_runs_the_callers_call_on_a_one_thread_blas_and_gives_its_count_back(threads, monkeypatch):
-    """The caller's call runs with OpenBLAS at one thread; afterwards the caller's count is what it
-    was. (NumPy's OpenBLAS, a pthreads build, keeps that count process-wide whatever the setter's
-    name: so the pool is started first, and the workers' calls leave the count alone.)"""
-    monkeypatch.setitem(intra_op._state, "blas", None)  # the library found afresh, as in a new process
+@needs_openblas_wheel
+def test_every_call_of_a_map_runs_on_a_one_thread_openblas_then_the_count_is_back(threads, options):
+    """The caller's call and the workers' see the OpenBLAS wheel at one thread, also a worker still
+    running after the caller's call; after the map its count is the thread count again."""
+    options(blas="openblas")
+    blas.load("openblas")
     threads(3)
-    set_local = intra_op._openblas().openblas_set_num_threads_local  # returns the count it replaces
-    started = threading.Barrier(3, timeout=30)
-    intra_op.parallel_map(lambda i: started.wait(), 3)  # both workers have started
-    own = set_local(1)
-    try:
-        for count in (1, 2):  # 1: not the BLAS's default (what a setter given 0 restores) on 2 cores or more
-            set_local(count)
-            assert intra_op.parallel_map(lambda i: set_local(1) if i == 0 else None, 3)[0] == 1
-            assert set_local(count) == count
-    finally:
-        set_local(own)
-
-
-class ProcessWideCount:
-    """A BLAS whose "thread-local" count is one per process, as NumPy's OpenBLAS 0.3.31 keeps it."""
-
-    def __init__(self, count):
-        self.count = count
-
-    def openblas_set_num_threads_local(self, count):
-        previous, self.count = self.count, count
-        return previous
-
-
-def test_the_workers_calls_run_on_a_one_thread_blas_even_where_the_count_is_per_process(threads, monkeypatch):
-    """The count is 1 from before a task is queued until the last one is back, then the caller's
-    again: a worker still running after the caller's own call never runs on the caller's count."""
-    threads(3)
-    intra_op.parallel_map(lambda i: None, 3)  # the pool's workers started (they set their count once)
-    blas = ProcessWideCount(4)
-    monkeypatch.setitem(intra_op._state, "blas", blas)
+    assert blas.num_threads("openblas") == 3
     caller_done = threading.Event()
 
     def count_seen(i):
@@ -162,31 +133,27 @@ def test_the_workers_calls_run_on_a_one_thread_blas_even_where_the_count_is_per_
             caller_done.set()  # the caller's call ends first
         else:
             assert caller_done.wait(30)
-        return blas.count
+        return blas.num_threads("openblas")
 
     assert intra_op.parallel_map(count_seen, 3) == [1, 1, 1]
-    assert blas.count == 4
+    assert blas.num_threads("openblas") == 3
 
 
-@needs_local_blas
-def test_a_new_pools_workers_hold_the_blas_to_one_thread():
-    set_local = intra_op._openblas().openblas_set_num_threads_local
-    own = set_local(3)
-    pool = intra_op._Pool(2)
-    try:
-        started, done = threading.Barrier(2, timeout=30), queue.SimpleQueue()
-
-        def count_found(i):
-            started.wait()  # each call waits for the other: each worker runs one
-            return set_local(1)
-
-        for i in (1, 2):
-            pool.tasks.put((count_found, i, done))
-        results = sorted(done.get(timeout=30) for _ in range(2))
-        assert results == [(1, 1, None), (2, 1, None)]  # (call, the count it found, no error)
-    finally:
-        pool.close()
-        set_local(own)
+@needs_openblas_wheel
+def test_overlapping_maps_keep_openblas_at_one_thread_until_the_last_ends(threads):
+    """OpenBLAS's count is process-wide: two threads' blocks that overlap leave it at 1 until both
+    have ended, whichever ends first; a count set meanwhile applies at the end."""
+    blas.load("openblas")
+    threads(2)
+    first, second = blas.one_thread(), blas.one_thread()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert blas.num_threads("openblas") == 1
+    minidl.set_num_threads(3)
+    assert blas.num_threads("openblas") == 1
+    second.__exit__(None, None, None)
+    assert blas.num_threads("openblas") == 3
 
 
 def _pool_threads():
@@ -236,16 +203,36 @@ def test_map_rows_leaves_another_array_modules_arrays_in_one_block(threads, opti
     assert intra_op.map_rows(np, rows, _blocks) == [(0, 5)]
 
 
-def test_set_num_threads_rejects_bad_values():
-    for bad in (0, -1, 1.5, True, "2"):
-        with pytest.raises(ValueError, match="set_num_threads: n must be a positive int"):
+def test_set_num_threads_rejects_bad_values_naming_them_and_changes_nothing():
+    before = minidl.get_num_threads()
+    for bad in (0, -1, 1.5, True, "2", None):
+        with pytest.raises(ValueError, match=f"set_num_threads: n must be a positive int \\(1 or more\\), got {bad!r}"):
             minidl.set_num_threads(bad)
+    assert minidl.get_num_threads() == before
 
 
-def test_bad_environment_value_names_the_variable(monkeypatch):
-    monkeypatch.setenv("MINIDL_NUM_THREADS", "two")
+def test_bad_environment_value_names_the_variable():
     with pytest.raises(ValueError, match="MINIDL_NUM_THREADS must be a positive int, got 'two'"):
-        intra_op._default_threads()
+        thread_count.default({"MINIDL_NUM_THREADS": "two"})
+
+
+def _pools():
+    """Each pool's count by its library's own getter (None: that library is not installed)."""
+    return {"intra-op": minidl.get_num_threads(),
+            "openblas": blas.num_threads("openblas") if blas.load("openblas") else None,
+            "mkl": blas.num_threads("mkl") if blas.load("mkl") else None,
+            "onednn": onednn.get_num_threads()}
+
+
+def test_set_num_threads_sets_every_pool_minidl_uses(threads):
+    """One owner: the intra-op threads, the OpenBLAS wheel, MKL (its count outside a MatMul's call,
+    which gets the thread count thread-locally: kernels/cpu/matmul.py) and oneDNN all follow it."""
+    threads(2)
+    pools = _pools()
+    assert pools["intra-op"] == 2
+    assert pools["openblas"] in (2, None) and pools["onednn"] == 2
+    threads(1)
+    assert set(_pools().values()) <= {1, None} and _pools()["intra-op"] == 1
 
 
 def conv_step(x, w, stride, pad):
@@ -345,106 +332,7 @@ def test_batchnorm_and_relu_in_row_blocks_equal_one_block(threads, options, monk
     np.testing.assert_array_equal(y, np.maximum(relu_x, 0))
 
 
-# ---- NumPy's BLAS, and the serial fallback without one ----
-
-def test_numpy_blas_name_reads_numpys_build_configuration():
-    config = {"Build Dependencies": {"blas": {"name": "scipy-openblas", "found": True}}}
-    assert intra_op.numpy_blas_name(config) == "scipy-openblas"
-    assert intra_op.numpy_blas_name({}) == ""  # a build that does not say: look for OpenBLAS anyway
-    assert isinstance(intra_op.numpy_blas_name(), str)
-
-
-def test_another_blas_is_not_searched_and_says_why(tmp_path):
-    lib, why = intra_op.find_openblas("accelerate", [str(tmp_path / "libopenblas.so")])
-    assert lib is None
-    assert "NumPy's BLAS is 'accelerate', not OpenBLAS" in why and "one thread" in why
-
-
-def test_no_openblas_found_says_so():
-    lib, why = intra_op.find_openblas("scipy-openblas", [])
-    assert lib is None and "NumPy's OpenBLAS was not found" in why and "one thread" in why
-
-
-@pytest.mark.skipif(not ctypes.util.find_library("m"), reason="needs a shared library without OpenBLAS in it")
-def test_a_library_without_the_thread_local_setter_is_passed_over(tmp_path):
-    libm = ctypes.util.find_library("m")
-    missing = str(tmp_path / "libopenblas-missing.so")
-    lib, why = intra_op.find_openblas("openblas", [missing, libm])
-    assert lib is None and "no openblas_set_num_threads_local (OpenBLAS >= 0.3.27)" in why and libm in why
-
-
-@needs_local_blas
-def test_numpys_openblas_is_found_where_the_wheel_or_threadpoolctl_shows_it():
-    lib, why = intra_op.find_openblas(intra_op.numpy_blas_name(), intra_op.openblas_paths())
-    assert lib and why.startswith("OpenBLAS with a thread-local thread count: ")
-    assert intra_op.blas_status() == why
-
-
-@pytest.mark.skipif(not ctypes.util.find_library("m"), reason="needs a shared library without OpenBLAS in it")
-def test_each_fallback_says_why_and_that_ops_run_on_one_thread(tmp_path):
-    libm = ctypes.util.find_library("m")
-    missing = str(tmp_path / "libopenblas-missing.so")
-    other = intra_op.find_openblas("mkl", [])[1]
-    absent = intra_op.find_openblas("scipy-openblas", [])[1]
-    no_setter = intra_op.find_openblas("openblas", [missing, libm])[1]
-    assert other.startswith("NumPy's BLAS is 'mkl', not OpenBLAS: ")
-    assert absent.startswith("NumPy's OpenBLAS was not found (no numpy.libs copy; threadpoolctl")
-    assert no_setter.startswith(f"no openblas_set_num_threads_local (OpenBLAS >= 0.3.27) in {missing}, {libm}: ")
-    for why in (other, absent, no_setter):
-        assert why.endswith(": CPU ops run their chunks on one thread")
-
-
-@needs_local_blas
-def test_a_path_that_does_not_load_is_skipped_for_the_next(tmp_path):
-    missing = str(tmp_path / "libscipy_openblas-missing.so")
-    paths = intra_op.openblas_paths()
-    lib, why = intra_op.find_openblas("scipy-openblas", [missing] + paths)
-    assert lib and why == f"OpenBLAS with a thread-local thread count: {paths[0]}"
-
-
-def test_openblas_paths_are_the_wheels_copies_then_threadpoolctls_openblas(tmp_path, monkeypatch):
-    site = tmp_path / "site-packages"
-    (site / "numpy").mkdir(parents=True)
-    libs = site / "numpy.libs"
-    libs.mkdir()
-    for name in ("libscipy_openblas64_-b.so", "libscipy_openblas64_-a.so", "libgfortran-c.so"):
-        (libs / name).write_bytes(b"")
-    loaded, mkl = tmp_path / "libopenblas.so.0", tmp_path / "libmkl_rt.so"
-    monkeypatch.setattr(intra_op, "numpy", types.SimpleNamespace(__file__=str(site / "numpy" / "__init__.py")))
-    monkeypatch.setitem(sys.modules, "threadpoolctl", types.SimpleNamespace(threadpool_info=lambda: [
-        {"internal_api": "mkl", "filepath": str(mkl)},
-        {"internal_api": "openblas", "filepath": str(loaded)},
-        {"internal_api": "openblas", "filepath": str(libs / "libscipy_openblas64_-a.so")},  # the wheel's: once
-        {"user_api": "openmp", "filepath": str(tmp_path / "libgomp.so")},
-    ]))
-    wheel = [os.path.realpath(libs / "libscipy_openblas64_-a.so"), os.path.realpath(libs / "libscipy_openblas64_-b.so")]
-    assert intra_op.openblas_paths() == wheel + [os.path.realpath(loaded)]
-    monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # threadpoolctl not installed
-    assert intra_op.openblas_paths() == wheel
-
-
-def test_numpys_blas_is_looked_for_once_and_another_blas_leaves_ops_serial(monkeypatch):
-    monkeypatch.setitem(intra_op._state, "blas", None)
-    monkeypatch.setitem(intra_op._state, "blas_status", None)
-    monkeypatch.setattr(intra_op, "numpy_blas_name", lambda config=None: "mkl")
-    looked = []
-    monkeypatch.setattr(intra_op, "openblas_paths", lambda: looked.append(1) or [])
-    assert intra_op._openblas() is False
-    assert intra_op._openblas() is False and looked == [1]
-    assert intra_op.blas_status().startswith("NumPy's BLAS is 'mkl', not OpenBLAS")
-
-
-@needs_local_blas
-def test_numpys_openblas_is_found_once_and_kept(monkeypatch):
-    monkeypatch.setitem(intra_op._state, "blas", None)
-    monkeypatch.setitem(intra_op._state, "blas_status", None)
-    real_paths, looked = intra_op.openblas_paths, []
-    monkeypatch.setattr(intra_op, "openblas_paths", lambda: looked.append(1) or real_paths())
-    lib = intra_op._openblas()
-    assert lib is intra_op._openblas() and looked == [1]
-    assert hasattr(lib, "openblas_set_num_threads_local")
-    assert intra_op.blas_status() == f"OpenBLAS with a thread-local thread count: {real_paths()[0]}"
-
+# ---- the default count, and the serial fallback without a BLAS minidl sets ----
 
 @pytest.fixture
 def machine(monkeypatch):
@@ -458,7 +346,8 @@ def machine(monkeypatch):
                     raise ProcessLookupError(pid)
                 return set(affinity)
             fake.sched_getaffinity = sched_getaffinity
-        monkeypatch.setattr(intra_op, "os", fake)
+        monkeypatch.setattr(thread_count, "os", fake)  # cores()
+        monkeypatch.setattr(intra_op, "os", fake)  # the first CPU, whose caches are read
     return set_machine
 
 
@@ -471,59 +360,31 @@ def test_cores_are_the_affinity_mask_else_the_cpu_count(machine):
     assert intra_op.cores() == 1
 
 
-class _FakeBLAS:
-    """A library whose (global) thread count is ``n``."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def openblas_get_num_threads(self):
-        return self.n
-
-
-def test_thread_count_is_the_blas_count_within_one_and_the_cores(machine):
-    machine(affinity={0, 1, 2, 3})
-    assert [intra_op._default_threads({}, lib=_FakeBLAS(n)) for n in (0, 1, 3, 64)] == [1, 1, 3, 4]
-    assert intra_op._default_threads({}, lib=object()) == 4  # no thread count to read: the cores
-    assert intra_op._default_threads({"MINIDL_NUM_THREADS": "1"}, lib=_FakeBLAS(3)) == 1
-
-
-class _FakeOpenBLAS:
-    """Stands for a library whose thread count is 64 (more than this process's cores)."""
-
-    def scipy_openblas_get_num_threads64_(self):
-        return 64
-
-
-def test_thread_count_follows_the_blas_at_most_the_cores():
-    assert intra_op._default_threads({}, lib=_FakeOpenBLAS()) == min(64, intra_op.cores())
-    assert intra_op._default_threads({"MINIDL_NUM_THREADS": "3"}, lib=_FakeOpenBLAS()) == 3
-    if hasattr(os, "sched_getaffinity"):
-        assert intra_op.cores() == len(os.sched_getaffinity(0))
-
-
-def test_without_a_thread_local_blas_the_default_is_one_thread():
-    assert intra_op._default_threads({}, lib=None) == 1
-    assert intra_op._default_threads({"MINIDL_NUM_THREADS": "4"}, lib=None) == 1
+def test_the_default_count_is_the_environment_else_the_cores(machine):
+    machine(affinity={0, 1, 2, 3}, cpu_count=16)
+    assert thread_count.default({}) == 4
+    assert thread_count.default({"MINIDL_NUM_THREADS": "7"}) == 7
+    assert thread_count.default({"MINIDL_NUM_THREADS": ""}) == 4
     with pytest.raises(ValueError, match="MINIDL_NUM_THREADS must be a positive int, got '0'"):
-        intra_op._default_threads({"MINIDL_NUM_THREADS": "0"}, lib=None)
+        thread_count.default({"MINIDL_NUM_THREADS": "0"})
 
 
 @pytest.fixture
-def no_blas(monkeypatch):
-    """This process as if NumPy's BLAS had no thread-local setting (restored afterwards)."""
-    lib, why = intra_op.find_openblas("scipy-openblas", [])
-    for key, value in dict(blas=lib or False, blas_status=why, threads=None, pool=None).items():
-        monkeypatch.setitem(intra_op._state, key, value)
+def no_blas(monkeypatch, options):
+    """This process as if no BLAS minidl sets the threads of were installed (restored afterwards):
+    the kernels' GEMMs take NumPy's routes."""
+    monkeypatch.setattr(blas, "load", lambda name: {})
+    monkeypatch.setitem(intra_op._state, "pool", None)
+    real_option = blas.get_option  # the blas option as if unset, also where MINIDL_BLAS names a library
+    monkeypatch.setattr(blas, "get_option", lambda name: None if name == "blas" else real_option(name))
 
 
 @pytest.mark.cpu_only  # intra-op threads split NumPy work; a GPU has none
-def test_without_a_thread_local_blas_ops_run_serially_and_give_the_reference(no_blas, options, kernels_on):
-    assert minidl.get_num_threads() == 1
-    for n in (2, 4):
-        minidl.set_num_threads(n)
-        assert minidl.get_num_threads() == 1  # asked for n, but the BLAS cannot be held to one per thread
-    assert "was not found" in intra_op.blas_status()
+def test_without_a_blas_minidl_sets_ops_run_serially_and_give_the_reference(no_blas, options, kernels_on, threads):
+    threads(3)
+    assert minidl.get_num_threads() == 3  # the count stands (oneDNN's threads follow it); the chunks run in turn
+    assert intra_op.blas_status().startswith("no BLAS minidl binds is installed (pip install 'minidl[openblas]'")
+    assert intra_op.blas_status().endswith("CPU ops run their chunks on one thread")
     options(parallel_min_bytes=0, relu_row=64)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((6, 3, 8, 8))

@@ -1,0 +1,145 @@
+"""The oneDNN binding (minidl/kernels/cpu/onednn.py): the version it accepts, the thread count it
+takes, and what loading it leaves in the process: os.environ as it was, GOMP_SPINCOUNT only as
+an opt-in (MINIDL_OMP_SPIN) that still reaches GNU OpenMP. The tests that load oneDNN skip where
+the onednn extra is not installed."""
+import json
+import re
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from minidl.kernels.cpu import onednn
+
+needs_onednn = pytest.mark.skipif(not onednn.installed(), reason="the onednn extra is not installed")
+
+
+def test_another_major_version_is_refused_naming_it():
+    onednn.check_version((3, 2, 0))
+    onednn.check_version((3, 12, 7))
+    for found in [(2, 7, 3), (4, 0, 0)]:
+        with pytest.raises(onednn.Error, match=rf"is oneDNN {'.'.join(map(str, found))}, .*needs oneDNN 3\.x"):
+            onednn.check_version(found)
+
+
+@pytest.mark.parametrize("value", ["fast", "-1", "1.5", ""])
+def test_a_spin_count_that_is_not_a_count_is_refused_naming_it(monkeypatch, value):
+    monkeypatch.setenv("MINIDL_OMP_SPIN", value)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    with pytest.raises(ValueError, match=rf"MINIDL_OMP_SPIN must be a non-negative int.*got '{value}'"):
+        with onednn._environ_for_load():
+            pass
+
+
+def test_the_spin_count_is_in_the_environment_only_while_libgomp_loads(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("MINIDL_OMP_SPIN", raising=False)
+    before = dict(os.environ)
+    with onednn._environ_for_load():
+        assert dict(os.environ) == before  # not asked: nothing set
+    monkeypatch.setenv("MINIDL_OMP_SPIN", "0")
+    before = dict(os.environ)
+    with onednn._environ_for_load():
+        assert os.environ["GOMP_SPINCOUNT"] == "0"
+    assert dict(os.environ) == before
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")  # the user's own GNU OpenMP setting holds
+    with onednn._environ_for_load():
+        assert os.environ["GOMP_SPINCOUNT"] == "7"
+    assert os.environ["GOMP_SPINCOUNT"] == "7"
+
+
+def test_set_num_threads_refuses_what_is_not_a_positive_int():
+    for n in [0, -2, 1.0, "2", True, None]:
+        with pytest.raises(ValueError, match=rf"onednn.set_num_threads: n must be a positive int.*"
+                                             rf", got {re.escape(repr(n))}"):
+            onednn.set_num_threads(n)
+
+
+@pytest.mark.cpu_only
+@needs_onednn
+def test_the_loaded_library_is_oneDNN_3():
+    assert onednn.available()
+    assert onednn.version()[0] == onednn.MAJOR == 3
+
+
+@pytest.mark.cpu_only
+@needs_onednn
+def test_a_library_of_another_major_is_not_loaded(monkeypatch):
+    """The real library against a binding that would want oneDNN 2: refused with a warning that
+    names both, and nothing made with it."""
+    monkeypatch.setattr(onednn, "MAJOR", 2)
+    found = ".".join(map(str, onednn.version()))
+    with pytest.warns(UserWarning, match=rf"is oneDNN {found}, .*needs oneDNN 2\.x"):
+        assert onednn._load() is None
+
+
+@pytest.mark.cpu_only
+@needs_onednn
+def test_the_thread_count_reaches_openmp_in_every_calling_thread(monkeypatch):
+    assert onednn.available()
+    from minidl.kernels.cpu import thread_count
+    monkeypatch.setitem(onednn._state, "threads", None)
+    assert onednn.get_num_threads() == thread_count.get()  # not told: minidl's count, not OpenMP's default
+    seen = {}
+    for n in (1, 3):  # (each primitive's run applies the count in force again: none is left behind)
+        onednn.set_num_threads(n)
+        other = threading.Thread(target=lambda: seen.update({n: onednn.get_num_threads()}))
+        other.start()
+        other.join()
+        assert onednn.get_num_threads() == seen[n] == n  # libgomp's omp_get_max_threads, per thread
+
+
+# A fresh process (GNU OpenMP reads its environment once, when oneDNN's load brings it in): it
+# says whether anything loaded oneDNN before its first convolution, whether os.environ and the C
+# environment are as before, and how much CPU time the process spent while its main thread slept
+# after the convolution: GNU OpenMP's idle threads spinning.
+LOAD_AND_SLEEP = """
+import ctypes, json, os, time
+import numpy as np
+import minidl
+from minidl import ops, Tensor
+from minidl.kernels.cpu import onednn
+before = dict(os.environ)
+onednn.set_num_threads(2)
+maps = lambda: open("/proc/self/maps").read()
+loaded_early = "libdnnl" in maps()
+x, w = Tensor(np.ones((4, 16, 16, 16), np.float32)), Tensor(np.ones((16, 16, 3, 3), np.float32))
+with minidl.no_grad():
+    ops.Conv2D(16, 3)(x, w).asnumpy()
+assert "libdnnl" in maps() and onednn.get_num_threads() == 2
+cpu = time.process_time()
+time.sleep(1.0)
+cpu = time.process_time() - cpu
+libc = ctypes.CDLL(None)
+libc.getenv.restype = ctypes.c_char_p
+print(json.dumps({"loaded_early": loaded_early, "environ_unchanged": dict(os.environ) == before,
+                  "c_getenv": (libc.getenv(b"GOMP_SPINCOUNT") or b"").decode(), "cpu_while_asleep": cpu}))
+"""
+
+
+def load_and_sleep(**environ):
+    unset = ("GOMP_SPINCOUNT", "MINIDL_OMP_SPIN", "OMP_WAIT_POLICY")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    done = subprocess.run([sys.executable, "-c", LOAD_AND_SLEEP], env={**env, **environ}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.cpu_only
+@needs_onednn
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="GNU OpenMP spins less with more threads than cores")
+def test_loading_leaves_the_environment_and_the_spin_count_is_an_opt_in_that_holds():
+    """By default nothing is written and GNU OpenMP's own spin count holds (300,000 spins, well under
+    a millisecond); MINIDL_OMP_SPIN=n is GOMP_SPINCOUNT=n for the load only, and still governs
+    libgomp after os.environ is restored: with 10^11 spins its idle thread spins through the sleep."""
+    default = load_and_sleep()
+    assert default == {**default, "loaded_early": False, "environ_unchanged": True, "c_getenv": ""}
+    # 0.003 s and 0.07 s of CPU time in half a second's sleep on 2 cores with a load average of 7
+    # (the spinning thread gets a share of a core; on an idle machine all of it): 1 s, 0.03 s apart.
+    assert default["cpu_while_asleep"] < 0.03, default
+    spinning = load_and_sleep(MINIDL_OMP_SPIN=str(10**11))
+    assert spinning == {**spinning, "loaded_early": False, "environ_unchanged": True, "c_getenv": ""}
+    assert spinning["cpu_while_asleep"] > 0.03, spinning

@@ -7,7 +7,7 @@ loaded: a Cell, and also an Optimizer (its buffers and global step).
 
 A parameter is stored under the name it was given (``Parameter(x, name="w")``), as in
 MindSpore, and under its attribute path (``"fc.weight"``) when it has none (see
-``minidl.nn.cell.checkpoint_name``). Loading finds each parameter's entry by that name first,
+``minidl.io.parameter_names.checkpoint_name``). Loading finds each parameter's entry by that name first,
 else by its path, so files keyed either way load while the match is unambiguous.
 
 Example:
@@ -24,10 +24,10 @@ import warnings
 import numpy
 
 from .. import backend
-from ..nn.cell import checkpoint_name
 from ..runtime import get_runtime
 from ..tensor import Parameter, Tensor
 from . import safetensors
+from .parameter_names import checkpoint_name
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_param_into_net", "load_checkpoint_metadata",
            "CheckpointLoadWarning"]

@@ -4,13 +4,14 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import minidl
-from minidl import kernels, ops, Tensor
+from minidl import kernel_table, kernels, ops, Tensor
 from minidl.testing.gradcheck import check_kernels
 
 # These tests are about the kernels: they run with the kernels table on (see tests/conftest.py).
@@ -130,26 +131,137 @@ def test_registered_lists_an_ops_kernels_or_none():
     assert set(ALL) <= set(kernels.registered())  # (other tests may register more)
 
 
+def in_threads(*bodies):
+    """Runs each body on a thread of its own, all at once; re-raises the first error one raised."""
+    errors = []
+
+    def run(body):
+        try:
+            body()
+        except BaseException as error:  # noqa: B902 - handed to the test's thread
+            errors.append(error)
+    threads = [threading.Thread(target=run, args=(body,)) for body in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a thread did not finish"
+    if errors:
+        raise errors[0]
+
+
+def relu_kernels(x):
+    """The names of the kernels that ran ops.relu(x) on this thread."""
+    with kernels.tracking() as used:
+        ops.relu(Tensor(x))
+    return {k.name for k in used}
+
+
 @pytest.mark.cpu_only  # ReLU's kernel is a NumPy one
-def test_set_reference_only_switches_the_table_and_says_so():
+def test_set_reference_only_switches_the_table_for_the_process_and_says_so():
+    # (This thread holds kernels_on's own setting, which wins over the process's: a new thread,
+    # with none of its own, is what sees the process's.)
     x = np.random.default_rng(0).standard_normal((2, 4096))
+    seen = []
+
+    def look():
+        seen.append((kernels.is_reference_only(), relu_kernels(x)))
+    previous = kernels.set_reference_only(1)  # any truthy value
     try:
-        kernels.set_reference_only(1)  # any truthy value
-        assert kernels.is_reference_only() is True
-        with kernels.tracking() as used:
-            ops.relu(Tensor(x))
-        assert used == set()
-        kernels.set_reference_only(0)
-        assert kernels.is_reference_only() is False
-        with kernels.tracking() as used:
-            ops.relu(Tensor(x))
-        assert {k.name for k in used} == {"ReLURows"}
+        in_threads(look)
+        assert kernels.set_reference_only(0) is True  # the previous process value
+        in_threads(look)
     finally:
-        kernels.set_reference_only(False)
+        kernels.set_reference_only(previous)
+    assert seen == [(True, set()), (False, {"ReLURows"})]
+    assert kernels.is_reference_only() is False  # this thread's own setting (kernels_on) all along
+
+
+@pytest.mark.cpu_only  # ReLU's kernel is a NumPy one
+def test_a_reference_only_block_holds_on_its_own_thread_only():
+    # minidl_parallel's threads world runs one rank per thread: one rank's block must not switch
+    # the kernels off under the others.
+    x = np.random.default_rng(0).standard_normal((2, 4096))
+    inside, beside_done = threading.Event(), threading.Event()
+    seen = {}
+
+    def in_block():
+        with kernels.reference_only():
+            inside.set()
+            assert beside_done.wait(timeout=30)  # the other thread ran while this block was open
+            seen["block"] = (kernels.is_reference_only(), relu_kernels(x))
+        seen["after"] = kernels.is_reference_only()
+
+    def beside():
+        assert inside.wait(timeout=30)
+        seen["beside"] = (kernels.is_reference_only(), relu_kernels(x))
+        beside_done.set()
+    previous = kernels.set_reference_only(False)  # (kernels on for threads without their own, as under kernels_on)
+    try:
+        in_threads(in_block, beside)
+    finally:
+        kernels.set_reference_only(previous)
+    assert seen == {"block": (True, set()), "beside": (False, {"ReLURows"}), "after": False}
+
+
+@pytest.mark.cpu_only  # ReLU's kernel is a NumPy one
+def test_an_option_block_holds_on_its_own_thread_only():
+    # ReLURows takes an array whose size is a multiple of the relu_row option: 3 x 1024 only at 1024.
+    x = np.random.default_rng(0).standard_normal((3, 1024))
+    inside, beside_done = threading.Event(), threading.Event()
+    seen = {}
+
+    def in_block():
+        with kernels.option("relu_row", 1024):
+            inside.set()
+            assert beside_done.wait(timeout=30)
+            seen["block"] = (kernels.get_option("relu_row"), relu_kernels(x))
+        seen["after"] = kernels.get_option("relu_row")
+
+    def beside():
+        assert inside.wait(timeout=30)
+        seen["beside"] = (kernels.get_option("relu_row"), relu_kernels(x), kernels.options()["relu_row"][0])
+        beside_done.set()
+    previous = kernels.set_reference_only(False)  # (kernels on for threads without their own, as under kernels_on)
+    try:
+        in_threads(in_block, beside)
+    finally:
+        kernels.set_reference_only(previous)
+    assert seen == {"block": (1024, {"ReLURows"}), "beside": (4096, set(), 4096), "after": 4096}
+    assert kernels.get_option("relu_row") == 4096
+
+
+def test_process_settings_reach_every_thread_without_its_own():
+    seen = {}
+
+    def plain():
+        seen["plain"] = (kernels.get_option("relu_row"), kernels.is_reference_only())
+
+    def own():
+        with kernels.option("relu_row", 2048), kernels.reference_only(False):
+            seen["own"] = (kernels.get_option("relu_row"), kernels.is_reference_only())
+        with kernels.option("relu_row", None):  # None in a block: the default, whatever the process's
+            seen["default"] = kernels.get_option("relu_row")
+    kernels.set_option("relu_row", 1024)
+    previous = kernels.set_reference_only(True)
+    try:
+        in_threads(plain, own)
+    finally:
+        kernels.set_option("relu_row", None)
+        kernels.set_reference_only(previous)
+    assert seen == {"plain": (1024, True), "own": (2048, False), "default": 4096}
+
+
+def test_an_option_block_and_get_option_name_an_unknown_option():
+    with pytest.raises(KeyError, match="kernels.option: unknown option 'relu_rows'; declared: .*relu_row"):
+        with kernels.option("relu_rows", 1):
+            pass
+    with pytest.raises(KeyError, match="kernels.get_option: unknown option 'relu_rows'; declared: .*relu_row"):
+        kernels.get_option("relu_rows")
 
 
 def test_options_lists_each_declared_option_with_its_value_default_and_meaning(monkeypatch):
-    monkeypatch.setattr(kernels, "_defaults", dict(kernels._defaults))  # the declaration below is this test's
+    monkeypatch.setattr(kernel_table, "_defaults", dict(kernel_table._defaults))  # the declaration below is this test's
     kernels.declare_option("test_only_rows", 8, "rows a test kernel takes at once")
     assert kernels.get_option("test_only_rows") == 8
     kernels.set_option("test_only_rows", 3)

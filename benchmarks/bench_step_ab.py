@@ -26,7 +26,7 @@ attribute set, to try a setting before making it the default. Changes (what "und
     taps        stride-1 convolutions by im2col and one GEMM per chunk, not by tap GEMMs (kernels/cpu/taps.py)
     dense       nn.Dense as MatMul then BiasAdd, two ops, as MindSpore's layer (not one ops.Dense:
                 minidl/nn/layers/basic.py), and under --mode graph no ReLU fused after either
-                (minidl/graph_mode.py): every Dense layer's MatMul, BiasAdd and ReLU as three ops
+                (minidl/graph_mode/): every Dense layer's MatMul, BiasAdd and ReLU as three ops
                 (use --model mlp)
     dense-relu  under --mode graph, nn.Dense's one op and its ReLU as two ops, not one DenseReLU
     sequence    under --mode graph, a SequentialCell's Dense and ReLU cells called one by one (the
@@ -35,7 +35,7 @@ attribute set, to try a setting before making it the default. Changes (what "und
                 MultiApplyMomentum for all (minidl/optim/momentum.py)
 
 ``--env NAME=VALUE`` (repeatable) is for settings that hold for a whole process (the malloc
-tuning of minidl/_allocator.py): they cannot alternate step by step, so A and B run in
+tuning of minidl/kernels/cpu/malloc.py, opt-in): they cannot alternate step by step, so A and B run in
 processes of their own instead, alternating A, B, B, A, ... for ``--rounds`` pairs, each
 training ``--model`` (benchmarks/models_minidl.py, as bench_train.py does) for ``--steps``
 after ``--warmup``. A runs with the named variables removed from the environment, B with
@@ -153,6 +153,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import minidl  # noqa: E402
 from minidl import nn, ops, Tensor  # noqa: E402
 from minidl import graph_mode  # noqa: E402
+from minidl.graph_mode import rules as graph_rules  # noqa: E402
 from minidl.kernels.cpu.taps import Taps  # noqa: E402
 from minidl.optim.optimizer import Optimizer  # noqa: E402
 
@@ -188,11 +189,11 @@ def settings_of_b():
         out.append((Taps, "fits", staticmethod(lambda *arrays: False)))
     if args.change == "dense":
         out.append((nn.Dense, "one_op", lambda dense: False))  # MatMul, BiasAdd: MindSpore's layer
-        out.append((graph_mode, "_matmul", lambda prim, arrays: prim.apply(*arrays)))
-    if args.change in ("dense", "dense-relu"):
-        out.append((graph_mode, "_dense", lambda prim, arrays: prim.apply(*arrays)))
+    if args.change in ("dense", "dense-relu"):  # GRAPH_MODE's rule table without the rows these heads start
+        dropped = (ops.MatMul, ops.Dense) if args.change == "dense" else (ops.Dense,)
+        out.append((graph_rules, "HEADS", {k: v for k, v in graph_rules.HEADS.items() if k not in dropped}))
     if args.change in ("dense", "dense-relu", "sequence"):
-        out.append((graph_mode, "_sequence", lambda seq, x: seq.construct(x)))
+        out.append((graph_mode.GraphLayer, "_sequence", lambda layer, seq, x: seq.construct(x)))
     if args.change == "multi-momentum":
         out.append((nn.Momentum, "_update_many", Optimizer._update_many))
     return out

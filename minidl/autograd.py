@@ -13,9 +13,9 @@ import functools
 
 import numpy
 
+from .runtime import get_runtime
 from .tensor import Tensor, Parameter
 
-_graph_flush = None  # fn() while GRAPH_MODE is on (minidl/graph_mode.py): runs ops it left deferred
 _FREED_MESSAGE = ("Trying to backward through the graph a second time (or directly access saved tensors after "
                   "they have already been freed). Saved intermediate values of the graph are freed when you call "
                   ".backward(), value_and_grad or grad. Specify retain_graph=True if you need to backward through "
@@ -97,6 +97,7 @@ def run_backward(root, gy, targets=None, on_leaf_ready=None, retain_graph=False)
     Raises:
         RuntimeError: the graph was freed by an earlier backward pass (nothing is computed).
     """
+    root.data  # noqa: B018 - a pending root (GRAPH_MODE) is computed first: its op makes its node
     grads = {id(root): gy}
     owned = set()  # ids whose gradient array we allocated, so += may write into it
     wanted = None if targets is None else {id(t) for t in targets}
@@ -259,8 +260,7 @@ def value_and_grad(fn, grad_position=None, weights=None, has_aux=False, on_grad_
             args[p] = Tensor._wrap(data)
             args[p].requires_grad = True
         out = fn(*args)
-        if _graph_flush is not None:
-            _graph_flush()  # a BatchNorm still deferred at the end updates its moving statistics now
+        get_runtime().settle()  # GRAPH_MODE: a BatchNorm still deferred updates its moving statistics now
         if has_aux:
             if not isinstance(out, (tuple, list)) or len(out) < 2:
                 raise TypeError("value_and_grad: has_aux=True needs fn to return (loss, aux, ...)")

@@ -14,7 +14,7 @@ _state = {"device_target": None, "chosen": False, "seed": None}
 
 # MindSpore's execution modes, under its names and values (``minidl.GRAPH_MODE``). PYNATIVE_MODE runs
 # every op as it is called; GRAPH_MODE defers BatchNorm until its first use so that a following
-# (Add and) ReLU run fused, with eager's results (minidl/graph_mode.py, docs/graph_mode.md).
+# (Add and) ReLU run fused, with eager's results (minidl/graph_mode/, docs/graph_mode.md).
 GRAPH_MODE = 0
 PYNATIVE_MODE = 1
 
@@ -31,7 +31,7 @@ def _mode_from_env():
 
 # What set_context stores besides the device; the values are MindSpore's defaults.
 _settings = {"mode": _mode_from_env(), "save_graphs": 0, "save_graphs_path": "."}
-_mode_listeners = []  # fn(mode), called by set_context(mode=...): minidl/graph_mode.py's switch
+_mode_listeners = []  # fn(mode), called by set_context(mode=...): minidl/graph_mode/ installs its runtime layer
 _rng_local = threading.local()
 _cupy = None  # the cupy module once imported, False when it is not importable
 _cupy_error = None  # why not, when it is not: shown to the user who asks for the GPU
@@ -117,8 +117,8 @@ def set_context(device_target=None, device_id=None, mode=None, save_graphs=None,
 
 
 def add_mode_listener(fn):
-    """Calls ``fn(mode)`` whenever set_context sets the mode (minidl/graph_mode.py installs its
-    hooks so: this module imports nothing of the ops it steers)."""
+    """Calls ``fn(mode)`` whenever set_context sets the mode (minidl/graph_mode/ installs its
+    runtime layer so: this module imports nothing of the ops it steers)."""
     _mode_listeners.append(fn)
 
 

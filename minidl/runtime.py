@@ -21,6 +21,12 @@ tests runs one rank per thread) or for the whole process (one rank per process u
 mpirun). A thread's own runtime wins over the process's. ``minidl`` never imports
 ``minidl_parallel``; the arrow goes one way.
 
+Runtimes compose: an execution mode that changes how ops run but not where (GRAPH_MODE's
+fusion, minidl/graph_mode/) is a :class:`Layered` runtime over the one that places the work.
+:func:`set_mode_layer` installs it for the process; :func:`get_runtime` then returns it
+wrapped around the placing runtime the thread would otherwise get (the local one, or a
+parallel one), and everything the layer does not change goes to that inner runtime.
+
 Example:
     >>> class Counting(Runtime):
     ...     calls = 0
@@ -32,7 +38,7 @@ Example:
 """
 import threading
 
-__all__ = ["Runtime", "get_runtime", "set_runtime", "LOCAL"]
+__all__ = ["Runtime", "Layered", "get_runtime", "set_runtime", "set_mode_layer", "LOCAL"]
 
 
 class Runtime:
@@ -63,6 +69,15 @@ class Runtime:
     def call_cell(self, cell, args, kwargs):
         """Runs ``cell.construct(*args, **kwargs)``."""
         return cell.construct(*args, **kwargs)
+
+    def settle(self):
+        """Runs whatever this runtime left pending on this thread (the end of a function under
+        ``value_and_grad`` / ``grad``): nothing on the local runtime."""
+
+    @property
+    def placing(self):
+        """The runtime that decides where work runs: itself, or a layer's innermost runtime."""
+        return self
 
     # ---- training ---------------------------------------------------------------------------
 
@@ -141,6 +156,45 @@ class Runtime:
 
 LOCAL = Runtime()
 
+
+class Layered(Runtime):
+    """A runtime over another (``inner``): what a subclass does not override goes to ``inner``.
+
+    A layer changes how ops run (it overrides ``call_op``, ``call_cell``, ``settle``) and passes
+    every other question (rank, gradient reducer, sharded values, agreement) to the runtime it
+    wraps, so it composes with the local runtime and with any parallel one alike. Attributes a
+    parallel runtime adds (its ``world``, ``scope``) are read through to it too.
+    """
+
+    intercepts_ops = True
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = f"{type(self).__name__} over {inner.name}"
+
+    def __getattr__(self, name):  # only for attributes Runtime does not define: the inner's own
+        return getattr(self.__dict__["inner"], name)
+
+    @property
+    def placing(self):
+        return self.inner.placing
+
+    def settle(self):
+        self.inner.settle()
+
+
+def _passed_to_inner(name):
+    def method(self, *args):
+        return getattr(self.inner, name)(*args)
+    method.__name__ = name
+    method.__doc__ = f"The inner runtime's ``{name}``."
+    return method
+
+
+for _name in ("rank", "group_size", "call_op", "call_cell", "grad_reducer", "full_value", "local_value",
+              "follow", "sum_over_ranks", "agree", "gather", "trains_in_lockstep"):
+    setattr(Layered, _name, _passed_to_inner(_name))
+
 class _ThreadState(threading.local):
     # Class-level defaults: reading a missing attribute of a threading.local costs ~350 ns (an
     # AttributeError inside), found here it costs ~40, and every op and Cell call reads it.
@@ -150,13 +204,29 @@ class _ThreadState(threading.local):
         self.entered = []  # runtimes replaced by ``with runtime:`` blocks still open, innermost last
 
 
-_process = {"runtime": None}
+_process = {"runtime": None, "layer": None}
 _thread = _ThreadState()
 
 
 def get_runtime():
-    """The runtime active on this thread: its own, else the process's, else the local one."""
-    return _thread.runtime or _process["runtime"] or LOCAL
+    """The runtime active on this thread: its own, else the process's, else the local one; with
+    a mode's layer installed (:func:`set_mode_layer`), that layer over it."""
+    placing = _thread.runtime or _process["runtime"] or LOCAL
+    layer = _process["layer"]
+    return placing if layer is None else layer(placing)
+
+
+def set_mode_layer(layer):
+    """Installs ``layer`` (None removes it) for the process: ``layer(runtime)`` returns the
+    :class:`Layered` runtime to use over ``runtime`` (the same object for the same runtime, so
+    it can keep state per thread); returns the previous one. GRAPH_MODE installs its layer here
+    when the mode is set."""
+    if layer is not None and not callable(layer):
+        raise TypeError(f"set_mode_layer: layer must be callable (runtime -> Layered runtime) or None, got "
+                        f"{type(layer).__name__}")
+    previous = _process["layer"]
+    _process["layer"] = layer
+    return previous
 
 
 def set_runtime(runtime, scope="process"):

@@ -7,8 +7,9 @@ to send a gradient back to them (see minidl/ops/primitive.py). Under tensor para
 package sets it to an object with the global ``shape`` (and a readable ``str``); the core
 reads only that shape, so ``x.shape`` means the same on one device and on many, as in
 PyTorch's DTensor. Python operators
-(``+``, ``@``, ``.sum()`` ...) are attached by minidl/ops/tensor_methods.py, so that this
-file stays free of op code.
+(``+``, ``@``, ``.sum()`` ...) are attached by minidl/ops/tensor_methods.py, and ``astype``
+and ``backward`` by minidl/ops/__init__.py, so that this file imports neither the ops nor the
+engine: the imports run tensor <- autograd <- ops, never back (tests/test_layering.py).
 """
 import math
 import threading
@@ -35,7 +36,18 @@ _grad_mode = _GradMode()
 
 def _logical_shape(tensor):
     placement = tensor.placement
-    return tuple(tensor.data.shape) if placement is None else placement.shape
+    if placement is not None:
+        return placement.shape
+    data = tensor._data
+    return tuple(data.shape) if data is not None else tensor._pending.shape  # pending: known, not computed
+
+
+def _known(name):
+    """A property of the array read without computing a pending value (its shape says it)."""
+    def read(self):
+        data = self._data
+        return getattr(data if data is not None else self._pending, name)
+    return read
 
 
 def is_grad_enabled():
@@ -91,6 +103,10 @@ def _as_array(data, dtype):
 class Tensor:
     """An n-dimensional array that can record the ops applied to it.
 
+    ``data`` may be *pending* (GRAPH_MODE, minidl/graph_mode/): an op's output not computed yet,
+    or an input a pending op still has to read. ``_pending`` then holds that op, and reading or
+    replacing ``data`` first runs it; shape, dtype, ndim and size are known without running it.
+
     Args:
         data: array-like (list, scalar, numpy or cupy array, Tensor).
         dtype: numpy dtype (``minidl.float32`` ...); default keeps the array's dtype, and
@@ -103,23 +119,51 @@ class Tensor:
         Tensor([[2., 4.], [6., 8.]], dtype=float32)
     """
 
-    __slots__ = ("data", "grad", "requires_grad", "_node", "placement", "__weakref__")
+    __slots__ = ("_data", "grad", "requires_grad", "_node", "placement", "_pending", "__weakref__")
     __array_priority__ = 1000  # numpy scalars and arrays defer to our operators
 
     def __init__(self, data, dtype=None, requires_grad=False):
         if data is None:
             raise ValueError("Tensor: data must not be None")
-        self.data = _as_array(data, dtype)
+        self._pending = None
+        self._data = _as_array(data, dtype)
         self.grad = None
         self.requires_grad = bool(requires_grad)
         self._node = None
         self.placement = None
 
+    @property
+    def data(self):
+        """The ndarray (numpy or cupy): this rank's block when sharded."""
+        pending = self._pending
+        if pending is not None:
+            pending.resolve()  # GRAPH_MODE: the op this value waits for runs first, as eager's order
+        return self._data
+
+    @data.setter
+    def data(self, array):
+        pending = self._pending
+        if pending is not None:
+            pending.resolve()
+        self._data = array
+
+    def __getstate__(self):
+        # copy and pickle see the computed value, never a pending op
+        self.data  # noqa: B018
+        return {name: getattr(self, name) for cls in type(self).__mro__
+                for name in getattr(cls, "__slots__", ()) if name not in ("_pending", "__weakref__")}
+
+    def __setstate__(self, state):
+        self._pending = None
+        for name, value in state.items():
+            setattr(self, name, value)
+
     @classmethod
     def _wrap(cls, array, node=None):
         """Makes a Tensor around an existing ndarray, without copying or converting."""
         t = Tensor.__new__(Tensor)
-        t.data = array
+        t._pending = None
+        t._data = array
         t.grad = None
         t.requires_grad = node is not None
         t._node = node
@@ -130,12 +174,17 @@ class Tensor:
                                          "(``data.shape`` is then this rank's block).")
     is_sharded = property(lambda self: self.placement is not None,
                           doc="True when ``data`` is one rank's block of a larger tensor (tensor parallelism).")
-    dtype = property(lambda self: self.data.dtype, doc="The numpy dtype.")
-    ndim = property(lambda self: self.data.ndim, doc="Number of dimensions.")
+    dtype = property(_known("dtype"), doc="The numpy dtype.")
+    ndim = property(_known("ndim"), doc="Number of dimensions.")
     size = property(lambda self: math.prod(self.shape), doc="Number of elements.")
-    is_leaf = property(lambda self: self._node is None, doc="True when no recorded op made it.")
-    grad_fn = property(lambda self: self._node, doc="The recorded op instance that made it (None for a leaf); "
-                                                      "its ``backward`` sends gradients to its inputs.")
+    is_leaf = property(lambda self: self.grad_fn is None, doc="True when no recorded op made it.")
+
+    @property
+    def grad_fn(self):
+        """The recorded op instance that made it (None for a leaf); its ``backward`` sends gradients
+        to its inputs."""
+        self.data  # noqa: B018 - a pending value is computed first: its op makes the node
+        return self._node
 
     def asnumpy(self):
         """The values as a NumPy array (copied from the GPU when needed)."""
@@ -154,24 +203,6 @@ class Tensor:
         t = Tensor._wrap(self.data)
         t.placement = self.placement
         return t
-
-    def astype(self, dtype):
-        """A copy converted to dtype (differentiable, as ops.Cast)."""
-        from .ops import cast
-        return cast(self, dtype)
-
-    def backward(self, gradient=None, retain_graph=False):
-        """Accumulates d(self)/d(leaf) into ``.grad`` of every leaf that requires grad.
-
-        As in PyTorch, the graph is freed on the way (the arrays its ops saved go back to the
-        allocator), so a second backward through it raises RuntimeError.
-
-        Args:
-            gradient: the upstream gradient; may be omitted only for a one-element tensor.
-            retain_graph: keep the graph, to call backward through it again.
-        """
-        from .autograd import backward
-        backward(self, gradient, retain_graph)
 
     def zero_grad(self):
         self.grad = None

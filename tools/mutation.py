@@ -34,7 +34,11 @@ TARGETS = {
     "dist_opt": (["minidl_parallel/dist_opt.py"],
                  ["tests/minidl_parallel/test_dist_opt.py", "tests/minidl_parallel/test_dist_opt_partial_update.py"]),
     "adasum": (["minidl_parallel/adasum.py"], ["tests/minidl_parallel/test_accumulation_adasum.py"]),
-    "grad_reducer": (["minidl_parallel/grad_reducer.py"],
+    # the reducer and the modules split out of it (its buckets, accumulation, broadcast, the
+    # agreement checks' messages and join's vote); adasum.py is its own target
+    "grad_reducer": (["minidl_parallel/grad_reducer.py", "minidl_parallel/buckets.py",
+                      "minidl_parallel/accumulation.py", "minidl_parallel/broadcast.py",
+                      "minidl_parallel/agreement.py", "minidl_parallel/join.py"],
                      ["tests/minidl_parallel/test_grad_reducer.py", "tests/minidl_parallel/test_accumulation_adasum.py",
                       "tests/minidl_parallel/test_overlap.py", "tests/minidl_parallel/test_compression.py",
                       "tests/minidl_parallel/test_parameter_broadcast.py",
@@ -46,8 +50,8 @@ TARGETS = {
     "wrappers": (["minidl/nn/wrappers.py"], ["tests/minidl/nn/test_wrappers.py"]),
     "mnist": (["minidl/dataset/mnist.py"], ["tests/minidl/dataset/test_mnist.py"]),
     "callbacks": (["minidl/train/callbacks.py"], ["tests/minidl/train/test_callbacks.py"]),
-    "intra_op": (["minidl/_intra_op.py"],
-                 ["tests/minidl/test_intra_op.py", "tests/minidl/kernels/test_team.py",
+    "intra_op": (["minidl/kernels/cpu/threads.py", "minidl/kernels/cpu/thread_count.py"],
+                 ["tests/minidl/kernels/test_threads.py", "tests/minidl/kernels/test_team.py",
                   "tests/minidl/kernels/test_step_memory.py"]),
     # The launcher's tests that start workers run the launcher in a subprocess, in another folder,
     # where mutmut's trampolines cannot find their configuration: only the in-process tests.
@@ -92,8 +96,9 @@ TARGETS = {
                  "tests/minidl/dataset/test_padding_validity.py"]),
     "loss": (["minidl/nn/loss.py", "minidl/ops/loss.py"],
              ["tests/minidl/nn/test_loss.py", "tests/minidl/ops/test_loss.py"]),
-    "graph_mode": (["minidl/graph_mode.py"],
-                   ["tests/minidl/test_graph_mode.py", "tests/minidl/test_graph_mode_dense.py"]),
+    "graph_mode": (["minidl/graph_mode"],
+                   ["tests/minidl/test_graph_mode.py", "tests/minidl/test_graph_mode_dense.py",
+                    "tests/minidl/test_graph_mode_explain.py"]),
     # minidl/kernels in parts, each within 30 minutes on 2 cores (the whole of cpu/ is 5,500 mutants)
     "kernels": (["minidl/kernels/__init__.py", "minidl/kernels/cpu/blas.py", "minidl/kernels/cpu/dense.py",
                  "minidl/kernels/cpu/elementwise.py", "minidl/kernels/cpu/matmul.py", "minidl/kernels/cpu/team.py",
@@ -128,8 +133,8 @@ def configure(folder, sources, tests):
     lines += ["pytest_add_cli_args_test_selection ="] + [f"    {t}" for t in tests]
     lines += ["do_not_mutate ="] + [f"    {f}" for f in NOT_MUTATED]
     # the mutated files' packages and the tests' helpers must be importable beside the mutants
-    lines += ["also_copy =", "    minidl", "    minidl_parallel", "    tests", "    examples", "    benchmarks",
-              "    pyproject.toml"]
+    lines += ["also_copy =", "    minidl", "    minidl_parallel", "    minidl_checks", "    tests", "    examples",
+              "    benchmarks", "    pyproject.toml"]
     # tests of a stack location fail under mutmut's trampolines whatever the mutant (tests/conftest.py)
     lines += ["pytest_add_cli_args =", "    -m", "    not call_site", "    -p", "    _mutation_plugin"]
     with open(folder / "setup.cfg", "a") as f:

@@ -24,35 +24,9 @@ Cells start in inference mode (``training`` is False), as in MindSpore: call
 """
 from collections import OrderedDict
 
+from ..io.parameter_names import _AutoName, checkpoint_name  # noqa: F401  (checkpoint_name: importable here too)
 from ..runtime import LOCAL, get_runtime
 from ..tensor import Parameter
-
-_graph_call = None  # fn(cell, args, kwargs) while GRAPH_MODE is on (minidl/graph_mode.py), else None
-
-
-class _AutoName(str):
-    """A parameter name the Cell tree derived from attribute paths (so it may be re-prefixed)."""
-
-    __slots__ = ()
-
-
-def checkpoint_name(path, param):
-    """The name a checkpoint stores ``param`` under: the name it was given, else ``path``.
-
-    A name is given with ``Parameter(x, name="w")`` (and kept by the tree when it differs from
-    the attribute name); a name the tree derived (``_AutoName``) or none means the attribute
-    path from the saved cell, as ``parameters_and_names()`` yields it.
-
-    Example:
-        >>> net = nn.SequentialCell(nn.Dense(2, 2))
-        >>> net[0].bias = Parameter(numpy.zeros(2, numpy.float32), name="b")
-        >>> [checkpoint_name(path, p) for path, p in net.parameters_and_names()]
-        ['0.weight', 'b']
-    """
-    name = getattr(param, "name", None)
-    if isinstance(name, str) and name and not isinstance(name, _AutoName):
-        return str(name)
-    return path
 
 
 def _check_child_name(owner, name):
@@ -98,10 +72,8 @@ class Cell:
     def __call__(self, *args, **kwargs):
         runtime = get_runtime()  # a parallel runtime sees where a network starts and ends
         if runtime is LOCAL:
-            if _graph_call is None:
-                return self.construct(*args, **kwargs)
-            return _graph_call(self, args, kwargs)  # GRAPH_MODE: runs what the call left deferred
-        return runtime.call_cell(self, args, kwargs)
+            return self.construct(*args, **kwargs)
+        return runtime.call_cell(self, args, kwargs)  # GRAPH_MODE's layer, a parallel runtime
 
     # -- registration -------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ Why one op. MatMul then BiasAdd (then the activation), as MindSpore's nn.Dense c
 three passes over the output and three kept arrays. As one op a fast body adds the bias and
 applies the ReLU in one sweep over the GEMM's output, in place, and in backward masks the
 gradient and sums the bias gradient from it in one more (minidl/kernels/cpu/dense.py).
-``nn.Dense`` calls Dense (unless sharded); GRAPH_MODE (minidl/graph_mode.py) runs a Dense and
+``nn.Dense`` calls Dense (unless sharded); GRAPH_MODE (minidl/graph_mode/) runs a Dense and
 its ReLU, or a user's MatMul, BiasAdd and ReLU, as DenseReLU, with no model change.
 
 These are the reference bodies: exactly MatMul(transpose_b=True), BiasAdd and ReLU one after

@@ -15,12 +15,10 @@ A faster way to compute an op on one array module lives in minidl/kernels, not h
 asks ``kernels.choose`` for each call, and a registered kernel that applies runs instead of the
 reference ``forward`` / ``backward`` written in the op's class.
 
-Under GRAPH_MODE, a local call goes to ``_graph_call`` (installed by minidl/graph_mode.py, which
-defers BatchNorm and fuses it at its ReLU); in PYNATIVE_MODE it is None, one check per call.
-
 ``shard(in_strategy, out_strategy)`` only stores the strategy here; minidl_parallel reads
 it. A call asks the active runtime (minidl/runtime.py) to run the op: the local runtime
-calls ``apply``; a parallel one may redistribute the inputs first.
+calls ``apply``; a parallel one may redistribute the inputs first; GRAPH_MODE's layer may
+defer it and fuse it with the ops after it (minidl/graph_mode/).
 
 Inputs on two devices (a NumPy array or a CPU tensor given to a network whose parameters are
 on the GPU) fail inside the op body with CuPy's bare "Unsupported type" TypeError; ``apply``
@@ -33,11 +31,9 @@ import weakref
 
 import numpy
 
-from .. import backend, kernels
+from .. import backend, kernel_table as kernels  # the table, not minidl/kernels/: that imports the ops
 from ..runtime import LOCAL, get_runtime
 from ..tensor import Tensor, _grad_mode
-
-_graph_call = None  # fn(prim, args) while GRAPH_MODE is on (minidl/graph_mode.py), else None
 
 
 class Primitive:
@@ -72,9 +68,7 @@ class Primitive:
     def __call__(self, *args):
         runtime = get_runtime()
         if runtime is LOCAL:
-            if _graph_call is None:
-                return self.apply(*args)
-            return _graph_call(self, args)
+            return self.apply(*args)
         return runtime.call_op(self, args)
 
     def apply(self, *args):

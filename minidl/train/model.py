@@ -468,9 +468,9 @@ class Model:
                              f"ranks that still have data (the finished ones contribute zero gradients)")
         if not uneven_inputs:
             return False
-        if runtime.intercepts_ops or not callable(getattr(reducer, "join", None)):
+        if runtime.placing.intercepts_ops or not callable(getattr(reducer, "join", None)):
             raise ValueError(f"Model.train: uneven_inputs=True needs data parallelism (a grad reducer with a join "
-                             f"block, such as DistributedGradReducer), but the runtime {runtime!r} gives "
+                             f"block, such as DistributedGradReducer), but the runtime {runtime.placing!r} gives "
                              f"{type(reducer).__name__}; in tensor-parallel modes every operator communicates, "
                              f"which a rank without data cannot stand in for")
         return True

@@ -128,8 +128,8 @@ def _mode_in_fresh_process(env_value):
     env.pop("MINIDL_MODE", None)
     if env_value is not None:
         env["MINIDL_MODE"] = env_value
-    code = ("import minidl; from minidl.ops import primitive; "
-            "print(minidl.get_context('mode'), primitive._graph_call is not None)")
+    code = ("import minidl; from minidl.runtime import LOCAL, get_runtime; "
+            "print(minidl.get_context('mode'), get_runtime() is not LOCAL)")  # GRAPH_MODE's layer, or none
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
 
 

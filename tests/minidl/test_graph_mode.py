@@ -1,4 +1,4 @@
-"""GRAPH_MODE (minidl/graph_mode.py): a user's separate BatchNorm, Add and ReLU run as BatchNormReLU,
+"""GRAPH_MODE (minidl/graph_mode/): a user's separate BatchNorm, Add and ReLU run as BatchNormReLU,
 and every result (values, gradients, moving statistics, parameters after optimizer steps) equals
 PYNATIVE_MODE's. Each test runs the same code in both modes and compares; with reference bodies
 the two are bit for bit equal (the fused reference is BatchNorm's, the residual added, max(., 0)),
@@ -476,7 +476,8 @@ def test_a_batchnorm_subclass_is_not_fused():
     assert "BatchNormReLU" not in names and "SyncBatchNormOp" in names
 
 
-def test_a_parallel_runtime_is_not_deferred():
+def test_under_another_runtime_graph_mode_fuses_through_it_with_eagers_results():
+    """GRAPH_MODE's layer wraps the runtime that places the work: the fused ops go to it."""
     class Counting(Runtime):
         calls = 0
 
@@ -493,7 +494,7 @@ def test_a_parallel_runtime_is_not_deferred():
     (out_e, _, st_e), (out_g, names, st_g) = both(forward)
     assert_same(out_e, out_g)
     assert_same(st_e, st_g)
-    assert "BatchNormReLU" not in names
+    assert "BatchNormReLU" in names and "BatchNorm" in names  # the block's second BatchNorm ends it
 
 
 def test_errors_come_at_the_call_with_eager_messages():
@@ -524,14 +525,18 @@ def test_top_level_ops_wait_until_use_or_a_mode_change():
     assert type(mean) is Tensor and type(y) is Tensor   # watches removed, classes restored
 
 
-def test_pynative_mode_installs_no_hook():
-    from minidl import autograd
-    from minidl.nn import cell
-    from minidl.ops import primitive
+def test_graph_mode_is_a_layer_over_the_active_runtime_and_pynative_mode_has_none():
+    from minidl.runtime import LOCAL, get_runtime
     with mode(minidl.PYNATIVE_MODE):
-        assert primitive._graph_call is None and cell._graph_call is None and autograd._graph_flush is None
+        assert get_runtime() is LOCAL  # PYNATIVE_MODE: the local runtime itself, nothing between
     with mode(minidl.GRAPH_MODE):
-        assert primitive._graph_call is not None and cell._graph_call is not None
+        layer = get_runtime()
+        assert isinstance(layer, graph_mode.GraphLayer) and layer.inner is LOCAL and layer.placing is LOCAL
+        assert get_runtime() is layer  # one layer per inner runtime, not one per call
+        other = Runtime()
+        with other:
+            assert get_runtime().inner is other and get_runtime() is not layer
+        assert get_runtime() is layer
 
 
 def bn_parts(c=3, seed=0):
@@ -618,26 +623,23 @@ def test_the_batchnorm_call_reaches_the_fused_op_as_given(case):
 
 
 def test_other_uses_of_a_pending_output_compute_it_as_eager():
-    """Known without running it: shape, dtype, ndim, size. Copying, pickling or deleting an
-    attribute computes it first, as any other use (a copy is a plain Tensor)."""
+    """Known without running it: shape, dtype, ndim, size. Copying or pickling computes it
+    first, as any other use of its value (a copy is a plain Tensor)."""
     import copy
     import pickle
 
     def forward():
         gamma, beta, mean, var = bn_parts()
         outs = []
-        for use in ("copy", "deepcopy", "pickle", "del"):
+        for use in ("copy", "deepcopy", "pickle"):
             y = ops.BatchNorm(is_training=True)(image(), gamma, beta, mean, var)
             known = (y.shape, y.dtype, y.ndim, y.size)
             if use == "copy":
                 other = copy.copy(y)
             elif use == "deepcopy":
                 other = copy.deepcopy([y, y])[1]
-            elif use == "pickle":
-                other = pickle.loads(pickle.dumps(y))
             else:
-                del y.grad
-                other = y
+                other = pickle.loads(pickle.dumps(y))
             outs.append((known, graph_mode.is_deferred(y), type(other).__name__, other.asnumpy()))
         return outs, mean.asnumpy()
     eager, graph = both(forward)

@@ -1,4 +1,4 @@
-"""GRAPH_MODE's Dense fusion (minidl/graph_mode.py): a Dense op (nn.Dense's one op) or a user's
+"""GRAPH_MODE's Dense fusion (minidl/graph_mode/): a Dense op (nn.Dense's one op) or a user's
 MatMul(transpose_b) + BiasAdd, followed by a ReLU, runs as ops.DenseReLU (the BiasAdd of a MatMul
 otherwise as ops.Dense), and every result equals PYNATIVE_MODE's. Each test runs the same code in
 both modes (test_graph_mode.both) and compares. On reference bodies (kernels.reference_only) Dense

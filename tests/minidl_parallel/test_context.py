@@ -83,23 +83,23 @@ def test_auto_parallel_context_validation(kwargs, match):
 def test_init_installs_a_runtime_and_release_removes_it(monkeypatch):
     for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    assert get_runtime() is LOCAL
+    assert get_runtime().placing is LOCAL
     mp.set_auto_parallel_context(gradients_mean=True)  # before init: carried into the world
     mp.init()
-    runtime = get_runtime()
+    runtime = get_runtime().placing
     assert isinstance(runtime, ParallelRuntime) and runtime.scope == "process"
     assert (runtime.rank(), runtime.group_size()) == (0, 1) and runtime.world.settings["gradients_mean"] is True
     mp.release()
-    assert get_runtime() is LOCAL and mp.get_auto_parallel_context("gradients_mean") is True
+    assert get_runtime().placing is LOCAL and mp.get_auto_parallel_context("gradients_mean") is True
 
 
 def test_each_thread_rank_has_its_own_runtime_and_the_main_thread_none():
     def body():
-        runtime = get_runtime()
+        runtime = get_runtime().placing
         return type(runtime).__name__, runtime.scope, runtime.rank(), runtime.group_size()
 
     assert run_threads(3, body, timeout=20) == [("ParallelRuntime", "thread", r, 3) for r in range(3)]
-    assert get_runtime() is LOCAL
+    assert get_runtime().placing is LOCAL
 
 
 def test_data_parallel_grad_reducer_is_resolved_per_thread_when_asked():
@@ -120,7 +120,7 @@ def test_init_refuses_a_world_size_it_cannot_build(monkeypatch):
     with pytest.raises(RuntimeError, match=r"world_size=4 was asked, but this process was not started by a "
                                            r"launcher .* `mpirun -n 4"):
         mp.init(world_size=4)
-    assert not mp.is_initialized() and get_runtime() is LOCAL
+    assert not mp.is_initialized() and get_runtime().placing is LOCAL
     with pytest.raises(RuntimeError, match="rank=1 was asked, but backend 'local' gave this process rank 0 of 1"):
         mp.init(rank=1)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 1\] for world_size=2, got 2"):

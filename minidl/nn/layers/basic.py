@@ -117,8 +117,9 @@ class Dense(Cell):
     def one_op(self):
         """Whether construct runs the product and bias as one ``ops.Dense`` (``DenseReLU`` with an
         nn.ReLU activation): neither MatMul nor BiasAdd sharded, on the local runtime. Otherwise
-        the two ops run, as their strategies and tensor-parallel rules say. Resolved at each call."""
-        return self.matmul.in_strategy is None and self.bias_add.in_strategy is None and get_runtime() is LOCAL
+        the two ops run, as their strategies and tensor-parallel rules say (GRAPH_MODE's layer may
+        still fuse them into Dense or DenseReLU). Resolved at each call."""
+        return self.matmul.in_strategy is None and self.bias_add.in_strategy is None and get_runtime().placing is LOCAL
 
     def shard(self, strategy):
         """Tensor parallelism: the MatMul's strategy, the bias following its output cut. Returns self.

@@ -1,8 +1,9 @@
 """The benchmarks run end to end, tiny (the figures are not checked, only that the scripts run
-and report): bench_train.py's two schedules (PyTorch joins where installed) and bench_step_ab.py's
-A/B, in a change of each kind."""
+and report): bench_train.py's two schedules (PyTorch joins where installed) and its coexistence
+run (--with-torch), and bench_step_ab.py's A/B, in a change of each kind."""
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,37 @@ def test_bench_train_prints_each_framework_row(schedule):
     if extra and TORCH:
         won = [line for line in text.splitlines() if "was faster than pytorch in" in line]
         assert len(won) == 1 and "of 3 blocks; fastest block" in won[0]
+
+
+@pytest.mark.skipif(not TORCH, reason='--with-torch needs PyTorch: pip install -e ".[bench]"')
+def test_bench_train_with_torch_adds_the_worker_that_imported_torch_and_the_coexistence_ratio():
+    text = run_bench("--interleave", "3", "--with-torch")
+    rows = [line.split() for line in text.splitlines()
+            if line.strip().startswith(("minidl mlp", "minidl+torch mlp", "pytorch mlp")) and "was faster" not in line]
+    assert [r[0] for r in rows] == ["minidl", "minidl+torch", "pytorch"]
+    assert all(float(r[2]) > 0 for r in rows)  # ms/step
+    won = [line for line in text.splitlines() if "was faster than pytorch in" in line]
+    assert [line.split()[0] for line in won] == ["minidl", "minidl+torch"]
+    coexistence = [line for line in text.splitlines() if line.strip().startswith("coexistence, minidl mlp")]
+    assert len(coexistence) == 1 and "of 3 blocks" in coexistence[0]
+    # The ratio is the with-torch median step over the plain one (both printed, to 0.1 ms).
+    ratio, with_torch, alone = re.search(r": ([\d.]+) step time \(([\d.]+) / ([\d.]+) ms", coexistence[0]).groups()
+    assert float(ratio) == pytest.approx(float(with_torch) / float(alone), abs=0.01 + 0.1 / float(alone))
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("no torch", 'pip install -e ".[bench]"'),
+    ("no --interleave", "--with-torch needs --interleave BLOCKS"),
+])
+def test_bench_train_with_torch_refuses_what_it_cannot_measure(problem, message):
+    # sys.modules["torch"] = None makes torch look absent to the script (find_spec returns None),
+    # so the message is checked where torch is installed too; the script stops before any worker.
+    arguments = ["--model", "mlp", "--with-torch"] + (["--interleave", "2"] if problem == "no torch" else [])
+    hide_torch = "sys.modules['torch'] = None; " if problem == "no torch" else ""
+    code = (f"import runpy, sys; {hide_torch}sys.argv = ['bench_train.py'] + {arguments!r}; "
+            f"runpy.run_path({os.path.join(BENCHMARKS, 'bench_train.py')!r}, run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("change", [("--change", "none"), ("--change", "dense"), ("--option", "team=False")])

@@ -51,8 +51,7 @@ TARGETS = {
     "mnist": (["minidl/dataset/mnist.py"], ["tests/minidl/dataset/test_mnist.py"]),
     "callbacks": (["minidl/train/callbacks.py"], ["tests/minidl/train/test_callbacks.py"]),
     "intra_op": (["minidl/kernels/cpu/threads.py", "minidl/kernels/cpu/thread_count.py"],
-                 ["tests/minidl/kernels/test_threads.py", "tests/minidl/kernels/test_team.py",
-                  "tests/minidl/kernels/test_step_memory.py"]),
+                 ["tests/minidl/kernels/test_threads.py", "tests/minidl/kernels/test_step_memory.py"]),
     # The launcher's tests that start workers run the launcher in a subprocess, in another folder,
     # where mutmut's trampolines cannot find their configuration: only the in-process tests.
     "spawning": (["minidl_parallel/spawning.py"],
@@ -101,8 +100,7 @@ TARGETS = {
                     "tests/minidl/test_graph_mode_explain.py"]),
     # minidl/kernels in parts, each within 30 minutes on 2 cores (the whole of cpu/ is 5,500 mutants)
     "kernels": (["minidl/kernels/__init__.py", "minidl/kernels/cpu/blas.py", "minidl/kernels/cpu/dense.py",
-                 "minidl/kernels/cpu/elementwise.py", "minidl/kernels/cpu/matmul.py", "minidl/kernels/cpu/team.py",
-                 "minidl/kernels/cpu/updates.py"], ["tests/minidl/kernels"]),
+                 "minidl/kernels/cpu/elementwise.py", "minidl/kernels/cpu/matmul.py", "minidl/kernels/cpu/updates.py"], ["tests/minidl/kernels"]),
     "kernels_conv": (["minidl/kernels/cpu/conv.py", "minidl/kernels/cpu/im2col.py", "minidl/kernels/cpu/taps.py"],
                      ["tests/minidl/kernels"]),
     "kernels_onednn": (["minidl/kernels/cpu/conv_onednn.py", "minidl/kernels/cpu/onednn.py"], ["tests/minidl/kernels"]),
@@ -117,8 +115,8 @@ STALLED_MUTANT_S = 300
 # Functions that Numba compiles cannot be mutated by mutmut: it replaces each function by a
 # trampoline that Numba cannot compile. Each of these loops is held to its NumPy reference by the
 # kernel tests (tests/minidl/kernels), which is what a mutant there would fail.
-NOT_MUTATED = ["minidl/kernels/cpu/loss.py", "minidl/kernels/cpu/norm_loops.py", "minidl/kernels/cpu/team_jobs.py",
-               "minidl/kernels/cpu/blas_compiled.py"]
+NOT_MUTATED = ["minidl/kernels/cpu/loss.py", "minidl/kernels/cpu/norm_loops.py", "minidl/kernels/cpu/dense_loops.py",
+               "minidl/kernels/cpu/updates_loops.py", "minidl/kernels/cpu/blas_compiled.py"]
 
 
 def working_tree_files():

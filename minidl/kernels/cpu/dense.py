@@ -11,8 +11,9 @@ sums) in one compiled sweep (one read of gy and y instead of NumPy's mixed-type 
 a second pass for the sums), else those two passes. Both add the rows in order, as
 ``sum(axis=0)`` does, so the sweep is the reference's bit for bit.
 
-Both sweeps run on MKL's OpenMP team when the arrays are large (team.py: the MLP's 256 x 512
-activations are), split so that each gives the same bits as on one thread (team_jobs.py).
+Both sweeps run on the calling thread (dense_loops.py). (Running them on MKL's OpenMP team
+between the GEMMs made the MLP's GRAPH_MODE step 1.04x as fast on 2 cores of an AMD EPYC, below
+the 5% issue 30 asks of a thread pool of its own: docs/performance.md.)
 
 Bound: another library (MKL) may block the products' sums otherwise than NumPy's matmul: float32
 products of a few hundred terms of values ~1 differ in the last bits, relative to the terms'
@@ -24,7 +25,7 @@ import numpy
 
 from ...ops.dense import Dense, DenseReLU
 from .. import Kernel, register
-from . import blas, team
+from . import blas
 from .matmul import _product, _threads
 
 __all__ = ["DenseBLAS", "DenseReLUBLAS", "add_bias_relu", "relu_grad"]
@@ -34,17 +35,12 @@ _numba = importlib.util.find_spec("numba") is not None
 
 def add_bias_relu(y, b, relu, compiled=None):
     """y + b (b None: y), then the ReLU where ``relu``, in y's memory; one compiled sweep where
-    Numba is installed (``compiled``, as relu_grad's; on MKL's OpenMP team, team.py, when large),
-    else NumPy's passes."""
+    Numba is installed (``compiled``, as relu_grad's), else NumPy's passes."""
     if compiled is None:
         compiled = _numba
     if b is not None and compiled and y.flags.c_contiguous and b.flags.c_contiguous:
-        team_jobs = team.jobs()
-        threads = team.threads(y.nbytes)
-        if threads > 1:
-            team.run(team_jobs.add_bias_relu_job, team_jobs.add_bias_relu_header(y, b, relu), threads)
-        else:
-            team_jobs.add_bias_relu(y, b, relu)
+        from . import dense_loops  # imports Numba: at the first sweep, not with minidl
+        dense_loops.add_bias_relu(y, b, relu)
         return y
     if b is not None:
         numpy.add(y, b, out=y)
@@ -53,19 +49,15 @@ def add_bias_relu(y, b, relu, compiled=None):
 
 def relu_grad(gy, y, compiled=None):
     """(gy * (y > 0), its sums over axis 0) for 2-D arrays; ``compiled`` (default: whether Numba is
-    installed) picks the one sweep (on the team when large) over the NumPy passes."""
+    installed) picks the one sweep over the NumPy passes."""
     if compiled is None:
         compiled = _numba
     if not compiled or not (gy.flags.c_contiguous and y.flags.c_contiguous):
         g = gy * (y > 0)
         return g, g.sum(axis=0)
-    team_jobs = team.jobs()
+    from . import dense_loops  # imports Numba: at the first sweep, not with minidl
     g, gb = numpy.empty_like(y), numpy.empty(y.shape[1], dtype=y.dtype)
-    threads = team.threads(y.nbytes)
-    if threads > 1:
-        team.run(team_jobs.masked_sums_job, team_jobs.masked_sums_header(gy, y, g, gb), threads)
-    else:
-        team_jobs.masked_sums(gy, y, g, gb)
+    dense_loops.masked_sums(gy, y, g, gb)
     return g, gb
 
 

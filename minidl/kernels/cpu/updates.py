@@ -3,12 +3,10 @@
 The reference (minidl/ops/updates.py) makes four NumPy passes over a parameter (accumulation
 scaled, gradient added, the step, the subtraction) and a temporary; for the MLP's 670k
 parameters that was 14% of its training step (benchmarks/profile_step.py --model mlp). One loop
-(team_jobs.py's ``_momentum``) reads each element of the variable, accumulation and gradient
+(updates_loops.py's ``momentum``) reads each element of the variable, accumulation and gradient
 once and writes the first two, in the reference's order of operations per element (no FMA
-contraction): bit for bit the reference. A large parameter's pass runs on MKL's OpenMP team
-(team.py), elementwise, so also bit for bit. MultiApplyMomentum's kernel makes all its
-parameters one range, split over the team as one pass (or, without a team, loops over them on
-the calling thread). Numba is imported at the first call, not with minidl.
+contraction): bit for bit the reference. MultiApplyMomentum's kernel runs that loop over each
+parameter in turn, on the calling thread. Numba is imported at the first call, not with minidl.
 """
 import importlib.util
 
@@ -17,7 +15,6 @@ import numpy
 from ...ops.updates import ApplyMomentum, MultiApplyMomentum, arrays_of
 from ...tensor import Tensor
 from .. import Kernel, register
-from . import team
 
 __all__ = ["ApplyMomentumLoop", "MultiApplyMomentumLoop"]
 
@@ -36,15 +33,10 @@ class ApplyMomentumLoop(Kernel):
                 and variable.shape == accumulation.shape == gradient.shape)
 
     def forward(self, node, variable, accumulation, learning_rate, gradient, momentum, scratch=None):
-        team_jobs = team.jobs()
-        w, v, g = variable.reshape(-1), accumulation.reshape(-1), gradient.reshape(-1)
-        threads = team.threads(w.nbytes)
-        if threads > 1:
-            head = team_jobs.momentum_multi_header([w], [v], [g], learning_rate, momentum, node.use_nesterov)
-            team.run(team_jobs.momentum_multi_job, head, threads)
-        else:
-            scalar = variable.dtype.type  # NumPy takes a Python number as the arrays' dtype (NEP 50)
-            team_jobs.momentum(w, v, g, scalar(learning_rate), scalar(momentum), node.use_nesterov)
+        from . import updates_loops  # imports Numba: at the first call, not with minidl
+        scalar = variable.dtype.type  # NumPy takes a Python number as the arrays' dtype (NEP 50)
+        updates_loops.momentum(variable.reshape(-1), accumulation.reshape(-1), gradient.reshape(-1),
+                               scalar(learning_rate), scalar(momentum), node.use_nesterov)
         return variable
 
     def cases(self):
@@ -82,17 +74,12 @@ class MultiApplyMomentumLoop(Kernel):
         return True
 
     def forward(self, node, variables, accumulations, learning_rate, gradients, momentum):
-        team_jobs = team.jobs()
+        from . import updates_loops  # imports Numba: at the first call, not with minidl
         ws, vs, gs = arrays_of(variables), arrays_of(accumulations), arrays_of(gradients)
-        threads = team.threads(sum(w.nbytes for w in ws))
-        if threads > 1:  # the header holds addresses and sizes: C-contiguous arrays need no flat views
-            head = team_jobs.momentum_multi_header(ws, vs, gs, learning_rate, momentum, node.use_nesterov)
-            team.run(team_jobs.momentum_multi_job, head, threads)
-        else:
-            scalar = ws[0].dtype.type
-            lr, m = scalar(learning_rate), scalar(momentum)
-            for w, v, g in zip(ws, vs, gs):
-                team_jobs.momentum(w.reshape(-1), v.reshape(-1), g.reshape(-1), lr, m, node.use_nesterov)
+        scalar = ws[0].dtype.type
+        lr, m = scalar(learning_rate), scalar(momentum)
+        for w, v, g in zip(ws, vs, gs):
+            updates_loops.momentum(w.reshape(-1), v.reshape(-1), g.reshape(-1), lr, m, node.use_nesterov)
         return variables
 
     def cases(self):

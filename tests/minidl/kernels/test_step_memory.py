@@ -5,8 +5,8 @@ tracemalloc) is far below one activation's size, on the kernels as on the refere
 Whatever a kernel needs between forward and backward lives on the autograd node and goes with
 the graph; a module-level cache, a kept work buffer, or a thread still holding the closure of its
 last task (minidl/kernels/cpu/threads.py's pool did) would keep a step's arrays. The options send every
-size down the routes the large models take: the intra-op threads (map_rows, parallel_map), MKL's
-team, the BatchNorm kernels and the conv routes' chunks.
+size down the routes the large models take: the intra-op threads (map_rows, parallel_map), the
+BatchNorm kernels and the conv routes' chunks.
 """
 import contextlib
 import gc
@@ -22,7 +22,7 @@ from minidl.kernels.cpu import threads as intra_op
 pytestmark = pytest.mark.cpu_only
 
 BATCH, FEATURES, HIDDEN = 64, 512, 1024  # the MLP's hidden activation: 256 KiB in float32
-SMALL = {"parallel_min_bytes": 0, "team_min_bytes": 0, "batchnorm_min_bytes": 0, "batchnorm_parallel_bytes": 0,
+SMALL = {"parallel_min_bytes": 0, "batchnorm_min_bytes": 0, "batchnorm_parallel_bytes": 0,
          "images_per_chunk": 2}
 
 
@@ -116,7 +116,7 @@ def test_an_mlp_step_on_the_kernels_keeps_nothing(mode):
     with settings(mode=mode, **SMALL):
         left, used = left_after_steps(MLP(), mlp_input())
     # PyNative: ReLURows' backward on the intra-op threads (map_rows); graph mode fuses the ReLU
-    # into DenseReLU, whose sweeps run on MKL's team where it is installed.
+    # into DenseReLU, whose sweeps run compiled where Numba is installed.
     assert used & {"ReLURows", "DenseReLUBLAS"}, sorted(used)
     assert left < ACTIVATION // 8, f"{left} bytes outlived the steps (kernels {sorted(used)})"
 

@@ -1,9 +1,9 @@
-"""ApplyMomentum's and MultiApplyMomentum's compiled loops (minidl/kernels/cpu/updates.py) on the
-calling thread (the default team_min_bytes keeps these small parameters off the team; test_team.py
-runs them on it): the calls they must leave to the reference, which then gives its own values and
-errors, and one parameter."""
+"""ApplyMomentum's and MultiApplyMomentum's compiled loops (minidl/kernels/cpu/updates.py,
+updates_loops.py): the calls they must leave to the reference, which then gives its own values and
+errors, and their updates against the reference's, bit for bit."""
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from minidl import kernels, ops
 from minidl.kernels.cpu.updates import ApplyMomentumLoop
@@ -106,3 +106,32 @@ def test_multi_apply_momentum_loop_leaves_float16_parameters_to_the_reference():
     for got, want in zip(sum(fast, []), sum(ref, [])):
         np.testing.assert_array_equal(got, want)
         assert got.dtype == np.float16
+
+
+@given(n=st.integers(1, 5000), f32=st.booleans(), nesterov=st.booleans(), seed=st.integers(0, 2**16))
+def test_apply_momentum_loop_is_the_references_bit_for_bit(n, f32, nesterov, seed):
+    (fast_used, fast), (_, ref) = momentum_runs(
+        lambda: ops.ApplyMomentum(use_nesterov=nesterov), lambda s: (s[0], s[1], 0.05, s[2], 0.9),
+        lambda: arrays((n,), np.float32 if f32 else np.float64, seed))
+    assert fast_used == {"ApplyMomentumLoop"}
+    for got, want in zip(fast, ref):
+        np.testing.assert_array_equal(got, want)
+
+
+@given(shapes=st.lists(st.one_of(st.tuples(st.integers(1, 70), st.integers(1, 70)), st.tuples(st.integers(1, 300))),
+                       min_size=1, max_size=5),
+       f32=st.booleans(), nesterov=st.booleans(), seed=st.integers(0, 2**16))
+def test_multi_apply_momentum_loop_over_several_parameters_is_per_parameter_bit_for_bit(shapes, f32, nesterov, seed):
+    dtype = np.float32 if f32 else np.float64
+    ws, vs, gs = ([arrays(s, dtype, seed + k)[i] for k, s in enumerate(shapes)] for i in range(3))
+    many = [w.copy() for w in ws], [v.copy() for v in vs]
+    with kernels.tracking() as used:
+        ops.MultiApplyMomentum(use_nesterov=nesterov)(many[0], many[1], 0.05, gs, 0.9)
+    assert {k.name for k in used} == {"MultiApplyMomentumLoop"}
+    with kernels.reference_only():
+        for w, v, g in zip(ws, vs, gs):
+            ops.ApplyMomentum(use_nesterov=nesterov)(w, v, 0.05, g, 0.9)
+    for w, v, w_many, v_many in zip(ws, vs, *many):
+        assert not np.shares_memory(w, w_many)
+        np.testing.assert_array_equal(w_many, w)
+        np.testing.assert_array_equal(v_many, v)

@@ -9,7 +9,7 @@ GIL, so the intra-op threads run their GEMMs at once).
 Only libraries minidl declares as dependencies are bound, each through its documented interface
 (never a copy another package vendors for itself, such as NumPy's in ``numpy.libs``). Which one
 (the ``blas`` option):
-- ``"openblas"``: the ``scipy-openblas64`` wheel (``pip install 'minidl[openblas]'``), found by its
+- ``"openblas"``: the ``scipy-openblas64`` wheel (a dependency of minidl), found by its
   documented ``get_lib_dir()`` / ``get_library()``; its ``scipy_``-prefixed, 64-bit-integer
   symbols are its documented API. A library of its own, so its thread count is minidl's and
   NumPy's own OpenBLAS (``numpy.matmul``) keeps its pool.
@@ -48,8 +48,8 @@ __all__ = ["available", "library", "installed", "load", "gemm", "gemm_for", "mat
 
 declare_option("blas", os.environ.get("MINIDL_BLAS") or None,
                "the BLAS the CPU kernels call directly: 'mkl', 'openblas' (the scipy-openblas64 wheel), or "
-               "None: MKL when installed (pip install 'minidl[mkl]'), else that OpenBLAS (pip install "
-               "'minidl[openblas]'); default: $MINIDL_BLAS")
+               "None: MKL when installed (pip install 'minidl[mkl]'), else that OpenBLAS (a dependency, "
+               "scipy-openblas64); default: $MINIDL_BLAS")
 
 declare_option("blas_compiled", True,
                "make matmul's BLAS call from Numba-compiled code (blas_compiled.py: the same call, without "
@@ -119,7 +119,7 @@ def status():
         return f"{e}: CPU ops run their chunks on one thread"
     if name is None:
         refused = "".join(f" ({why})" for why in _refused.values())
-        return ("no BLAS minidl binds is installed (pip install 'minidl[openblas]' or 'minidl[mkl]')"
+        return ("no BLAS minidl binds is installed (pip install scipy-openblas64, a dependency, or 'minidl[mkl]')"
                 f"{refused}: kernels take their NumPy routes and CPU ops run their chunks on one thread")
     return f"{name}: its GEMMs on minidl's thread count, one thread each in the intra-op threads"
 

@@ -65,7 +65,7 @@ def test_without_the_openblas_wheel_nothing_is_loaded_and_the_status_names_the_e
     assert blas.installed("openblas") is False and blas.load("openblas") == {}
     assert blas.library() is None and not blas.chunks_may_run_in_parallel()
     assert blas.status().startswith(
-        "no BLAS minidl binds is installed (pip install 'minidl[openblas]' or 'minidl[mkl]')")
+        "no BLAS minidl binds is installed (pip install scipy-openblas64, a dependency, or 'minidl[mkl]')")
     kernels.set_option("blas", "openblas")
     try:
         with pytest.raises(RuntimeError, match=r"kernels option blas='openblas', but it was not found: "

@@ -383,7 +383,7 @@ def no_blas(monkeypatch, options):
 def test_without_a_blas_minidl_sets_ops_run_serially_and_give_the_reference(no_blas, options, kernels_on, threads):
     threads(3)
     assert minidl.get_num_threads() == 3  # the count stands (oneDNN's threads follow it); the chunks run in turn
-    assert intra_op.blas_status().startswith("no BLAS minidl binds is installed (pip install 'minidl[openblas]'")
+    assert intra_op.blas_status().startswith("no BLAS minidl binds is installed (pip install scipy-openblas64")
     assert intra_op.blas_status().endswith("CPU ops run their chunks on one thread")
     options(parallel_min_bytes=0, relu_row=64)
     rng = np.random.default_rng(0)

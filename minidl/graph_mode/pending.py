@@ -19,6 +19,7 @@ without updating the moving statistics a second time. Records hold their output 
 dead output stops watching and costs nothing.
 """
 import threading
+import time
 import weakref
 
 from ..ops.norm import BatchNorm
@@ -56,13 +57,6 @@ class Pending:
         self.state, self.frame, self.watching, self.ref = PENDING, None, (), None
 
     ndim = property(lambda self: len(self.shape))
-
-    @property
-    def size(self):
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
 
     def output(self):
         """The pending output tensor, while it is alive and still waits for this record."""
@@ -199,13 +193,13 @@ def materialise(out, why="its value was read"):
 def _claim(out):
     """``out``'s record, once no other thread runs it (with ``lock`` held); None: computed already."""
     record = pending_record(out)
-    waited = 0.0
+    deadline = time.monotonic() + WAIT_S  # (a wake-up is any record's run ending: count seconds, not wake-ups)
     while record is not None and record.state is RUNNING:
-        if waited >= WAIT_S:
+        left = deadline - time.monotonic()
+        if left <= 0:
             raise RuntimeError(f"GRAPH_MODE: waited {WAIT_S:.0f} s for another thread to compute a pending "
                                f"{record.op.name}; is that thread stopped?")
-        _ran.wait(timeout=1.0)
-        waited += 1.0
+        _ran.wait(timeout=min(left, 1.0))
         record = pending_record(out)
     return record
 

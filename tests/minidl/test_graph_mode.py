@@ -5,6 +5,7 @@ the two are bit for bit equal (the fused reference is BatchNorm's, the residual 
 with the kernels within the fused CPU kernel's stated bound.
 """
 import contextlib
+import time
 import os
 import sys
 
@@ -877,3 +878,35 @@ def test_in_inference_the_kept_output_sees_its_fusion_time_moving_statistics():
     (out_e, _), (out_g, names) = both(forward)
     assert_same(out_e, out_g)
     assert "BatchNormReLU" in names
+
+
+def test_waiting_for_another_threads_run_of_a_pending_op_is_bounded_and_names_it(monkeypatch):
+    """A pending op another thread is running (RUNNING) is waited for, in seconds, not wake-ups:
+    other runs ending meanwhile do not shorten the wait, and a run that never ends raises."""
+    import threading
+    from minidl.graph_mode import pending
+    monkeypatch.setattr(pending, "WAIT_S", 0.5)
+    with mode(minidl.GRAPH_MODE):
+        y = ops.BatchNorm(is_training=True)(image(), *bn_parts())
+        record = y._pending
+        record.state = pending.RUNNING  # as while another thread runs it
+        stop = threading.Event()
+
+        def other_runs_ending():  # wake-ups that are not this record's
+            while not stop.is_set():
+                with pending.lock:
+                    pending._ran.notify_all()
+                stop.wait(0.01)
+        noise = threading.Thread(target=other_runs_ending)
+        noise.start()
+        started = time.monotonic()
+        try:
+            with pytest.raises(RuntimeError, match="GRAPH_MODE: waited 0 s for another thread to compute a "
+                                                   "pending BatchNorm; is that thread stopped"):
+                y.asnumpy()
+        finally:
+            stop.set()
+            noise.join()
+        assert time.monotonic() - started >= 0.5
+        record.state = pending.PENDING  # the other thread gave up: the next use runs it here
+        assert y.asnumpy().shape == (4, 3, 8, 8)

@@ -25,9 +25,13 @@ Threads (threads.py owns the count, ``minidl.set_num_threads``). OpenBLAS: its p
 is the thread count, and 1 while intra-op threads run chunks (:func:`one_thread`). MKL is loaded
 with its Intel OpenMP threading layer and its global count 1 (so a call from an intra-op thread
 never starts a team of its own); a MatMul's call (kernels/cpu/matmul.py) sets its ``threads``
-thread-locally for that call. OpenMP's threads spin for ``KMP_BLOCKTIME`` after a parallel GEMM,
-200 ms by default, on cores the intra-op threads then need; ``MINIDL_OMP_BLOCKTIME_MS=1`` (opt-in,
-read when MKL loads) sets it for minidl's MKL without leaving anything in ``os.environ``.
+thread-locally for that call. Intel OpenMP's threads spin after a parallel region for the
+blocktime of the thread that started it, 200 ms by default (``KMP_BLOCKTIME``), on cores the
+intra-op threads then need: the user-written ResNet-20's step spent a core's 70 ms in them. So a
+threaded call also sets the calling thread's blocktime (``kmp_set_blocktime``, Intel OpenMP's
+runtime API) to ``MINIDL_OMP_BLOCKTIME_MS`` (default 1 ms: 300 us made the MLP's step slower,
+its threads then sleeping before the next GEMM) and gives the thread its own value back after
+it: only the teams of minidl's GEMMs wait so briefly, and nothing is written to the environment.
 """
 import contextlib
 import ctypes
@@ -41,7 +45,6 @@ import numpy
 
 from .. import declare_option, get_option
 from . import thread_count
-from .load_settings import environment_during as _environ_for_load
 
 __all__ = ["available", "library", "installed", "load", "gemm", "gemm_for", "matmul", "address", "status",
            "set_num_threads", "num_threads", "one_thread", "chunks_may_run_in_parallel"]
@@ -58,10 +61,12 @@ declare_option("blas_compiled", True,
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _MKL_INTEL_THREADS = 0  # MKL_Set_Threading_Layer's MKL_THREADING_INTEL (Intel OpenMP)
 _OPENBLAS_WHEEL = "scipy_openblas64"
-_BLOCKTIME_OPT_IN = "MINIDL_OMP_BLOCKTIME_MS"
+_BLOCKTIME_VARIABLE = "MINIDL_OMP_BLOCKTIME_MS"
+_BLOCKTIME_DEFAULT_MS = 1
 _found = {}  # library name -> {dtype char: ctypes gemm} ({} when that library is absent)
 _refused = {}  # library name -> why it was found but not used
 _set_local = {}  # library name -> its thread-local "n threads" setter (returns the previous setting)
+_blocktime = {}  # library name -> (get, set) of its OpenMP's blocktime of the calling thread, and the ms wanted
 _counts = {}  # library name -> (set process-wide count, get count) as ctypes functions
 _blas_int = {}  # library name -> its BLAS integer type (ctypes)
 _numba = importlib.util.find_spec("numba") is not None
@@ -124,15 +129,15 @@ def status():
     return f"{name}: its GEMMs on minidl's thread count, one thread each in the intra-op threads"
 
 
-def _blocktime_setting(environ=None):
-    """{"KMP_BLOCKTIME": ms} from the opt-in ``MINIDL_OMP_BLOCKTIME_MS`` (a whole number of
-    milliseconds, 0 or more), or {} where it is unset; ValueError naming it otherwise."""
-    text = (os.environ if environ is None else environ).get(_BLOCKTIME_OPT_IN)
+def blocktime_ms(environ=None):
+    """How long (ms) MKL's OpenMP threads wait for more work after a GEMM minidl ran on them:
+    ``MINIDL_OMP_BLOCKTIME_MS`` (a whole number, 0 or more), default 1; ValueError naming it."""
+    text = (os.environ if environ is None else environ).get(_BLOCKTIME_VARIABLE)
     if not text:
-        return {}
+        return _BLOCKTIME_DEFAULT_MS
     if not text.strip().isdigit():
-        raise ValueError(f"{_BLOCKTIME_OPT_IN} must be a whole number of milliseconds (0 or more), got {text!r}")
-    return {"KMP_BLOCKTIME": str(int(text))}
+        raise ValueError(f"{_BLOCKTIME_VARIABLE} must be a whole number of milliseconds (0 or more), got {text!r}")
+    return int(text)
 
 
 def _load_openblas():
@@ -158,16 +163,13 @@ def _load_openblas():
 def _load_mkl():
     fns = {}
     for path in _mkl_paths():
-        # OpenMP reads KMP_BLOCKTIME once, when it starts: MKL_Get_Max_Threads starts it, inside
-        # the block where the opt-in's value is in the environment.
-        with _environ_for_load(_blocktime_setting()):
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError:
-                continue
-            lib.MKL_Set_Threading_Layer(_MKL_INTEL_THREADS)
-            lib.MKL_Set_Num_Threads(1)  # threads come per call (matmul's threads), thread-locally
-            lib.MKL_Get_Max_Threads()
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        lib.MKL_Set_Threading_Layer(_MKL_INTEL_THREADS)
+        lib.MKL_Set_Num_Threads(1)  # threads come per call (matmul's threads), thread-locally
+        lib.MKL_Get_Max_Threads()  # starts its OpenMP runtime, loading libiomp5
         fns = _bind(lib, "cblas_", "", ctypes.c_int)  # mkl_rt's default interface is LP64
         if fns and not _products_agree(fns, lib.MKL_Set_Num_Threads_Local):
             # Seen with PyTorch imported first: its MKL's symbols, already in the process, take
@@ -184,12 +186,43 @@ def _load_mkl():
             set_local = lib.MKL_Set_Num_Threads_Local
             set_local.argtypes, set_local.restype = [ctypes.c_int], ctypes.c_int
             _set_local["mkl"] = set_local
+            _blocktime["mkl"] = _openmp_blocktime()
             get_count = lib.MKL_Get_Max_Threads
             get_count.restype = ctypes.c_int
             _counts["mkl"] = (None, get_count)  # its global count stays 1 (see the module docstring)
             _blas_int["mkl"] = ctypes.c_int
             break
     return fns
+
+
+def _openmp_blocktime():
+    """(kmp_get_blocktime, kmp_set_blocktime, ms wanted) of the Intel OpenMP runtime MKL loaded,
+    None where it has none (another threading layer, or no such symbols)."""
+    try:
+        iomp = ctypes.CDLL("libiomp5.so", mode=os.RTLD_NOLOAD)  # the one loaded: never a new copy
+        get, put = iomp.kmp_get_blocktime, iomp.kmp_set_blocktime
+    except (OSError, AttributeError):
+        return None
+    get.argtypes, get.restype = [], ctypes.c_int
+    put.argtypes, put.restype = [ctypes.c_int], None
+    return get, put, blocktime_ms()
+
+
+@contextlib.contextmanager
+def _short_blocktime(name):
+    """The calling thread's OpenMP blocktime is the wanted one (:func:`blocktime_ms`) for a threaded
+    GEMM of library ``name``, then its own again (module docstring)."""
+    entry = _blocktime.get(name)
+    if entry is None:
+        yield
+        return
+    get, put, wanted = entry
+    own = get()
+    put(wanted)
+    try:
+        yield
+    finally:
+        put(own)
 
 
 def load(name):
@@ -345,8 +378,10 @@ def matmul(a, b, out, beta=0.0, threads=1):
         return False
     if _numba and get_option("blas_compiled"):
         module, (gemms, set_threads, blas_int) = _compiled_call(name)
-        return module.matmul(gemms[out.dtype.char], set_threads if threads != 1 else 0, blas_int, a, b, out, beta,
-                             threads)
+        if threads == 1:
+            return module.matmul(gemms[out.dtype.char], 0, blas_int, a, b, out, beta, threads)
+        with _short_blocktime(name):
+            return module.matmul(gemms[out.dtype.char], set_threads, blas_int, a, b, out, beta, threads)
     if not (a.size and b.size):
         return False
     ra, rb, rc = _rows(a), _rows(b), _rows(out)
@@ -357,8 +392,9 @@ def matmul(a, b, out, beta=0.0, threads=1):
     set_local = _set_local.get(name) if threads != 1 else None  # OpenBLAS: its count is already ours
     previous = set_local(threads) if set_local else None
     try:
-        fn(_ROW_MAJOR, _TRANS if ta else _NO_TRANS, _TRANS if tb else _NO_TRANS,
-           m, b.shape[1], k, 1.0, pa, lda, pb, ldb, beta, rc[0], rc[1])
+        with _short_blocktime(name) if set_local else contextlib.nullcontext():
+            fn(_ROW_MAJOR, _TRANS if ta else _NO_TRANS, _TRANS if tb else _NO_TRANS,
+               m, b.shape[1], k, 1.0, pa, lda, pb, ldb, beta, rc[0], rc[1])
     finally:
         if set_local:
             set_local(previous)

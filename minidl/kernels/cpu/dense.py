@@ -25,7 +25,7 @@ import numpy
 
 from ...ops.dense import Dense, DenseReLU
 from .. import Kernel, register
-from . import blas
+from . import blas, buffers
 from .matmul import _product, _threads
 
 __all__ = ["DenseBLAS", "DenseReLUBLAS", "add_bias_relu", "relu_grad"]
@@ -56,7 +56,7 @@ def relu_grad(gy, y, compiled=None):
         g = gy * (y > 0)
         return g, g.sum(axis=0)
     from . import dense_loops  # imports Numba: at the first sweep, not with minidl
-    g, gb = numpy.empty_like(y), numpy.empty(y.shape[1], dtype=y.dtype)
+    g, gb = buffers.empty(y.shape, y.dtype), numpy.empty(y.shape[1], dtype=y.dtype)
     dense_loops.masked_sums(gy, y, g, gb)
     return g, gb
 
@@ -76,7 +76,7 @@ class _DenseBLAS(Kernel):
     def forward(self, node, x, w, b=None):
         node._check(x, w, b)
         node.x, node.w = x, w
-        y = numpy.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
+        y = buffers.empty((x.shape[0], w.shape[0]), x.dtype)
         if not blas.matmul(x, w.T, y, threads=_threads()):
             numpy.matmul(x, w.T, out=y)
         if b is not None or self.relu:

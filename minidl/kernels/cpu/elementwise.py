@@ -7,7 +7,7 @@ the reference's values: max and a multiply by a 0/1 mask round nothing.
 """
 import numpy
 
-from . import threads as intra_op
+from . import buffers, threads as intra_op
 from ...ops.math import ReLU
 from .. import Kernel, declare_option, get_option, register
 
@@ -35,7 +35,7 @@ def relu_rows(x, out=None):
     """max(x, 0) of an array ``rows_apply`` accepts, into a new array or ``out`` (which may be x)."""
     n = get_option("relu_row")
     zeros = _zeros(x.dtype, n)
-    rows, out = x.reshape(-1, n), numpy.empty_like(x) if out is None else out
+    rows, out = x.reshape(-1, n), buffers.empty(x.shape, x.dtype) if out is None else out
     out_rows = out.reshape(-1, n)
     intra_op.map_rows(numpy, rows, lambda i, j: numpy.maximum(rows[i:j], zeros, out=out_rows[i:j]))
     return out
@@ -56,7 +56,7 @@ class ReLURows(Kernel):
         out = node.out
         if gy.shape != out.shape or not gy.flags.c_contiguous:
             return (gy * (out > 0),)
-        gx = numpy.empty_like(gy)
+        gx = buffers.empty(gy.shape, gy.dtype)
         g, o, r = gy.reshape(len(gy), -1), out.reshape(len(out), -1), gx.reshape(len(gx), -1)
         intra_op.map_rows(numpy, g, lambda i, j: numpy.multiply(g[i:j], o[i:j] > 0, out=r[i:j]))
         return (gx,)

@@ -13,7 +13,7 @@ terms of values ~1 differ in the last bits of the sum (relative to the terms' ma
 """
 import numpy
 
-from . import threads as intra_op
+from . import buffers, threads as intra_op
 from ...ops.linalg import MatMul, check_matmul
 from .. import Kernel, register
 from . import blas
@@ -28,7 +28,7 @@ def _threads():
 
 def _product(a, b):
     """a @ b through blas.py's library on :func:`_threads`; NumPy's where BLAS cannot take the views."""
-    out = numpy.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
+    out = buffers.empty((a.shape[0], b.shape[1]), a.dtype)
     if not blas.matmul(a, b, out, threads=_threads()):
         numpy.matmul(a, b, out=out)
     return out

@@ -46,7 +46,7 @@ normalising a near-constant channel multiplies every rounding difference by up t
 """
 import numpy
 
-from . import threads as intra_op
+from . import buffers, threads as intra_op
 from ...ops.norm import BatchNorm
 from ...ops.norm_relu import BatchNormReLU
 from .. import Kernel, declare_option, get_option, register
@@ -223,7 +223,7 @@ def _forward(node, x, scale, bias, mean, variance, residual=None, relu=False):
     node.k = scale.astype(dtype, copy=False).reshape(node.kept) * node.inv_std
     k, shift = p.image(node.k), p.image(bias.astype(dtype, copy=False).reshape(node.kept) - node.mu * node.k)
     zero = p.image(numpy.zeros(channels)) if relu else None  # an operand like the others: max's SIMD loop
-    y = numpy.empty(x.shape, dtype)
+    y = buffers.empty(x.shape, dtype)
     x3, y3 = p.view(x), p.view(y)
     r3 = None if residual is None else p.view(residual)
 
@@ -259,7 +259,7 @@ def _backward(node, gy, relu=False):
     channels = inv_std.size
     p = _Passes(x, node.axis)
     x3, gy3 = p.view(x), p.view(gy)
-    g = numpy.empty(gy.shape, gy.dtype) if relu else gy  # below the ReLU: the residual's gradient too
+    g = buffers.empty(gy.shape, gy.dtype) if relu else gy  # below the ReLU: the residual's gradient too
     g3, y3 = p.view(g), (p.view(node.y) if relu else None)
     # sum(g * (x - mean)) as sum(g * x) - mean * sum(g) where the cancellation is small
     f = 1.0 + node.mu * node.mu * (inv_std * inv_std)
@@ -295,7 +295,7 @@ def _backward(node, gy, relu=False):
     local[channels:] = gsum
     gx = None
     if need_x:
-        gx = g if relu and not need_res else numpy.empty(gy.shape, gy.dtype)
+        gx = g if relu and not need_res else buffers.empty(gy.shape, gy.dtype)
         gx3 = p.view(gx)
         if node.is_training:
             # gx = k * (g - mean(g) - xhat * mean(g * xhat)), xhat = (x - mean) * inv_std, as

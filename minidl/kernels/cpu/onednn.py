@@ -7,6 +7,15 @@ import), checks its version (:func:`check_version`), keeps one CPU engine and on
 offers what conv_onednn.py needs: memory descriptors, primitive descriptors, primitives, and
 running them on NumPy arrays. Nothing here knows about convolutions' maths.
 
+Threads: a primitive runs on the OpenMP thread count that was in force in the calling thread when
+it was made (oneDNN sizes its work split then); :func:`openmp_threads` sets that count for a block
+and puts the caller's back after it. conv_onednn.py makes its primitives for one OpenMP thread and
+runs them on minidl's intra-op threads, one chunk of the batch each, so GNU OpenMP starts no
+team: no threads of its own spinning on the cores the next op needs. Every primitive is made with
+a user-managed scratchpad (each run gets its own buffer) and runs in one of several slots (its own
+memory objects and stream per slot, one run per slot at a time), so different threads run
+primitives, the same one included, at once.
+
 oneDNN chooses its own (blocked) layouts for the fast kernels when a descriptor says "any"; the
 caller reorders NCHW arrays into them and back (``Reorder``). Every array handed to oneDNN
 stays alive in the caller for the call's duration: oneDNN holds raw pointers only.
@@ -22,6 +31,7 @@ small objects; the OS takes them back at exit). Handles still alive at interpret
 to the OS too (``atexit = False``): destroying them then would run oneDNN while Python tears
 its modules down, in no defined order, for memory that is about to go anyway.
 """
+import contextlib
 import ctypes
 import os
 import sys
@@ -31,11 +41,10 @@ import weakref
 
 import numpy
 
-from . import thread_count
+from . import buffers
 from .load_settings import environment_during
 
-__all__ = ["installed", "available", "version", "check_version", "set_num_threads", "get_num_threads",
-           "live_handles", "primitive_desc", "dims", "Desc", "PrimitiveDesc", "Primitive", "Reorder", "buffer",
+__all__ = ["installed", "available", "version", "check_version", "openmp_threads", "live_handles", "primitive_desc", "dims", "Desc", "PrimitiveDesc", "Primitive", "Reorder", "buffer",
            "Error", "MAJOR", "SPIN_VARIABLE"]
 
 MAJOR = 3  # the oneDNN major version the values below were copied from; _load refuses others
@@ -48,9 +57,12 @@ _DIMS = ctypes.c_int64 * 12  # dnnl_dims_t: DNNL_MAX_NDIMS
 F32, TAG_ANY, TAG_PLAIN4 = 3, 1, 5  # dnnl_f32, dnnl_format_tag_any, dnnl_abcd (NCHW / OIHW)
 # dnnl_query_*_md: what a primitive descriptor chose for each argument
 SRC_MD, DIFF_SRC_MD, WEIGHTS_MD, DIFF_WEIGHTS_MD, DST_MD, DIFF_DST_MD = 129, 130, 131, 132, 133, 134
+SCRATCHPAD_MD = 136  # dnnl_query_scratchpad_md
 IMPL_INFO = 8  # dnnl_query_impl_info_str
 # DNNL_ARG_*: execution argument slots
 ARG_SRC, ARG_DST, ARG_WEIGHTS, ARG_DIFF_SRC, ARG_DIFF_DST, ARG_DIFF_WEIGHTS = 1, 17, 33, 129, 145, 161
+ARG_SCRATCHPAD = 80
+SCRATCHPAD_USER = 1  # dnnl_scratchpad_mode_user: each run passes its own scratch buffer
 FORWARD_TRAINING, CONVOLUTION_DIRECT = 64, 1  # dnnl_forward_training, dnnl_convolution_direct
 _CPU, _IN_ORDER = 1, 1  # dnnl_cpu, dnnl_stream_in_order
 _ALIGN = 64  # bytes: oneDNN's kernels read whole cache lines
@@ -81,12 +93,13 @@ class _Version(ctypes.Structure):  # dnnl_version_t (dnnl_common_types.h)
                 ("hash", ctypes.c_char_p), ("cpu_runtime", ctypes.c_uint), ("gpu_runtime", ctypes.c_uint)]
 
 
-_state = {"threads": None}
+_state = {}
 _load_lock = threading.Lock()  # two thread ranks' first convolutions load the library once
-# One primitive runs at a time: its memory objects (their data pointers set per run), the one
-# stream and oneDNN's default scratchpad (one per process in its default build) are shared. Only
-# minidl_parallel's in-process thread ranks call convolutions from several threads at once.
-_run_lock = threading.Lock()
+# Slot -> (lock, stream). A run in slot k sets the data pointers of the primitive's slot-k memory
+# objects and runs on stream k, holding lock k: two runs at once use two slots (the intra-op
+# threads run chunk k in slot k; minidl_parallel's thread ranks may run the same chunk number at
+# once, and then take turns).
+_slots = {}
 # (kind, address) of every handle made here and not yet destroyed; set.add and set.discard are
 # single calls under the GIL, so finalizers running on any thread keep it exact.
 _live = set()
@@ -147,10 +160,15 @@ def _load():
     lib.dnnl_memory_set_data_handle.argtypes = [_P, _P]
     for kind in ("memory_desc", "memory", "primitive_desc", "primitive"):
         getattr(lib, f"dnnl_{kind}_destroy").argtypes = [_P]
-    engine, stream = _P(), _P()
+    gomp.omp_get_max_threads.restype = ctypes.c_int
+    gomp.omp_set_num_threads.argtypes = [ctypes.c_int]
+    engine, attr = _P(), _P()
     _check(lib.dnnl_engine_create(ctypes.byref(engine), _CPU, ctypes.c_size_t(0)), "dnnl_engine_create")
-    _check(lib.dnnl_stream_create(ctypes.byref(stream), engine, ctypes.c_uint(_IN_ORDER)), "dnnl_stream_create")
-    return {"lib": lib, "gomp": gomp, "engine": engine, "stream": stream,
+    # One set of attributes for every primitive descriptor: a scratchpad the caller passes per run.
+    _check(lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "dnnl_primitive_attr_create")
+    _check(lib.dnnl_primitive_attr_set_scratchpad_mode(attr, ctypes.c_int(SCRATCHPAD_USER)),
+           "dnnl_primitive_attr_set_scratchpad_mode")
+    return {"lib": lib, "gomp": gomp, "engine": engine, "attr": attr,
             "version": (found.major, found.minor, found.patch)}
 
 
@@ -187,34 +205,35 @@ def _after_fork_in_child():
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def set_num_threads(n):
-    """Runs oneDNN's primitives on ``n`` OpenMP threads from now on, from whichever thread calls
-    them (minidl.set_num_threads calls this). Loads nothing: before oneDNN loads, ``n`` is kept for
-    its first primitive. Until this is called, minidl's count in force holds (thread_count.py:
-    MINIDL_NUM_THREADS, else the cores this process may use), not GNU OpenMP's default.
-
-    The count is applied in the calling thread before each primitive runs, because
-    ``omp_set_num_threads`` sets the calling thread's value only, and minidl_parallel's thread
-    ranks each call primitives from their own thread.
-    """
-    _state["threads"] = thread_count.check(n, "onednn.set_num_threads")
-
-
-def get_num_threads():
-    """The OpenMP threads oneDNN's next primitive called from this thread runs on: GNU OpenMP's
-    ``omp_get_max_threads`` where oneDNN is loaded, else the count it will take. Loads nothing."""
-    if _state.get("lib") is None:
-        return _count()
-    _apply_threads()
-    return _state["gomp"].omp_get_max_threads()
+@contextlib.contextmanager
+def openmp_threads(n):
+    """The calling thread's OpenMP thread count (libgomp's ``omp_set_num_threads``, a per-thread
+    value) is ``n`` for the block, then the caller's again: a primitive made or run inside runs on
+    ``n`` OpenMP threads, and the count a user's thread had is left as it was."""
+    _lib()  # (loads oneDNN, and with it libgomp, once)
+    gomp = _state["gomp"]
+    before = gomp.omp_get_max_threads()
+    if before != n:
+        gomp.omp_set_num_threads(n)
+    try:
+        yield
+    finally:
+        if before != n:
+            gomp.omp_set_num_threads(before)
 
 
-def _count():
-    return thread_count.get() if _state["threads"] is None else _state["threads"]
-
-
-def _apply_threads():
-    _state["gomp"].omp_set_num_threads(_count())
+def _slot(k):
+    """(lock, stream) of slot ``k``, made at its first use (module docstring; ``_slots``)."""
+    try:
+        return _slots[k]
+    except KeyError:
+        with _load_lock:
+            if k not in _slots:
+                stream = _P()
+                _check(_state["lib"].dnnl_stream_create(ctypes.byref(stream), _state["engine"], ctypes.c_uint(_IN_ORDER)),
+                       "dnnl_stream_create")
+                _slots[k] = (threading.Lock(), stream)
+            return _slots[k]
 
 
 def live_handles():
@@ -289,9 +308,10 @@ class PrimitiveDesc:
 
 
 def primitive_desc(create, *args, keep=()):
-    """A PrimitiveDesc from ``lib.<create>(&pd, engine, *args)``; Error when oneDNN has none."""
+    """A PrimitiveDesc from ``lib.<create>(&pd, engine, *args, attr)``, with the attributes every
+    primitive here is made with (a user-managed scratchpad); Error when oneDNN has none."""
     handle = _P()
-    _check(getattr(_lib(), create)(ctypes.byref(handle), _state["engine"], *args), create)
+    _check(getattr(_lib(), create)(ctypes.byref(handle), _state["engine"], *args, _state["attr"]), create)
     return PrimitiveDesc(handle, keep)
 
 
@@ -301,46 +321,67 @@ def dims(values):
 
 class Primitive:
     """A primitive made from a PrimitiveDesc, run with {arg slot: array}; ``descs``: {arg slot: Desc},
-    the layouts its arrays have (:meth:`chosen`: those ``pd`` chose)."""
+    the layouts its arrays have (:meth:`chosen`: those ``pd`` chose). It runs on the OpenMP thread
+    count in force in the calling thread when it was made (``threads``: oneDNN split its work for
+    that many), whichever thread runs it."""
 
     def __init__(self, pd, descs):
         lib = _lib()
         self.pd, self.descs, self.handle = pd, descs, _P()
+        self.threads = _state["gomp"].omp_get_max_threads()
         _check(lib.dnnl_primitive_create(ctypes.byref(self.handle), pd.handle), "dnnl_primitive_create")
         _own(self, "primitive", self.handle)
         self.impl = pd.impl
-        # One memory object per argument slot, no buffer of its own (DNNL_MEMORY_NONE): its data
-        # pointer is set at each run.
-        self.memories = {}
-        for arg, desc in descs.items():
-            memory = _P()
-            _check(lib.dnnl_memory_create(ctypes.byref(memory), desc.handle, _state["engine"], _P(None)),
-                   "dnnl_memory_create")
-            _own(self, "memory", memory)
-            self.memories[arg] = memory
+        scratchpad = pd.query_md(SCRATCHPAD_MD)
+        self._scratchpad = scratchpad if scratchpad.nbytes else None
+        self._memories = {}  # run slot -> {arg slot: memory object}, made at the slot's first run
 
     @classmethod
     def chosen(cls, pd, queries):
         """A primitive whose argument slots take the layouts ``pd`` chose: {arg slot: ``*_MD``}."""
         return cls(pd, {arg: pd.query_md(what) for arg, what in queries.items()})
 
-    def __call__(self, arrays):
-        """Runs on {arg slot: array} (arrays laid out as this primitive's descriptors say)."""
+    def _memories_of(self, slot):
+        """One memory object per argument (and the scratchpad) for runs in ``slot``, with no buffer
+        of its own (DNNL_MEMORY_NONE): its data pointer is set at each run. Called holding the
+        slot's lock."""
+        if slot not in self._memories:
+            descs = dict(self.descs)
+            if self._scratchpad is not None:
+                descs[ARG_SCRATCHPAD] = self._scratchpad
+            memories = {}
+            for arg, desc in descs.items():
+                memory = _P()
+                _check(_state["lib"].dnnl_memory_create(ctypes.byref(memory), desc.handle, _state["engine"], _P(None)),
+                       "dnnl_memory_create")
+                _own(self, "memory", memory)
+                memories[arg] = memory
+            self._memories[slot] = memories
+        return self._memories[slot]
+
+    def __call__(self, arrays, slot=0):
+        """Runs on {arg slot: array} (arrays laid out as this primitive's descriptors say), in run
+        slot ``slot`` (module docstring), on the OpenMP threads it was made for."""
         lib = _state["lib"]
+        if self._scratchpad is not None:
+            arrays = {**arrays, ARG_SCRATCHPAD: buffer(self._scratchpad)}
         args = (_Arg * len(arrays))()
-        _apply_threads()
-        with _run_lock:
+        lock, stream = _slot(slot)
+        with lock, openmp_threads(self.threads):
+            memories = self._memories_of(slot)
             for i, (arg, array) in enumerate(arrays.items()):
-                memory = self.memories[arg]
+                memory = memories[arg]
                 _check(lib.dnnl_memory_set_data_handle(memory, _P(array.ctypes.data)), "dnnl_memory_set_data_handle")
                 args[i] = _Arg(arg, memory)
-            _check(lib.dnnl_primitive_execute(self.handle, _state["stream"], len(arrays), args),
-                   "dnnl_primitive_execute")
-            _check(lib.dnnl_stream_wait(_state["stream"]), "dnnl_stream_wait")
+            _check(lib.dnnl_primitive_execute(self.handle, stream, len(arrays), args), "dnnl_primitive_execute")
+            _check(lib.dnnl_stream_wait(stream), "dnnl_stream_wait")
 
 
 def buffer(desc):
-    """A 64-byte aligned, uninitialised byte array of ``desc``'s size."""
+    """A 64-byte aligned, uninitialised byte array of ``desc``'s size (from buffers.py's pool where
+    it is large)."""
+    if buffers.takes(desc.nbytes):
+        return buffers.empty(desc.nbytes, numpy.uint8)  # aligned to _ALIGN already
     raw = numpy.empty(desc.nbytes + _ALIGN, dtype=numpy.uint8)
     start = -raw.ctypes.data % _ALIGN
     return raw[start:start + desc.nbytes]
@@ -352,9 +393,10 @@ class Reorder:
     def __init__(self, src, dst):
         handle, engine = _P(), _state["engine"]
         _check(_state["lib"].dnnl_reorder_primitive_desc_create(ctypes.byref(handle), src.handle, engine, dst.handle,
-                                                                engine, None), "dnnl_reorder_primitive_desc_create")
+                                                                engine, _state["attr"]),
+               "dnnl_reorder_primitive_desc_create")
         self.primitive = Primitive(PrimitiveDesc(handle), {ARG_SRC: src, ARG_DST: dst})
 
-    def __call__(self, src, dst):
-        self.primitive({ARG_SRC: src, ARG_DST: dst})
+    def __call__(self, src, dst, slot=0):
+        self.primitive({ARG_SRC: src, ARG_DST: dst}, slot)
         return dst

@@ -10,7 +10,8 @@ threads are enough.
 
 One owner: :func:`set_num_threads` (``minidl.set_num_threads``) sets every pool minidl uses:
 these intra-op threads, the BLAS the kernels call (blas.py: the OpenBLAS wheel's count, MKL's
-per-call count) and oneDNN's OpenMP threads (onednn.py). The count (thread_count.py) defaults to
+per-call count) and oneDNN's convolutions (conv_onednn.py runs them on these threads, one chunk
+of the batch each, on one OpenMP thread apiece). The count (thread_count.py) defaults to
 ``MINIDL_NUM_THREADS``, else the cores this process may run on (``os.sched_getaffinity``).
 NumPy's own OpenBLAS (``numpy.matmul``) is NumPy's: minidl leaves its pool alone.
 
@@ -32,7 +33,7 @@ import threading
 import numpy
 
 from .. import declare_option, get_option
-from . import blas, onednn, thread_count
+from . import blas, thread_count
 
 _lock = threading.Lock()
 _state = {"pool": None}
@@ -64,15 +65,14 @@ def get_num_threads():
 
 def set_num_threads(n):
     """Sets the threads of every pool minidl uses (like ``torch.set_num_threads``): the intra-op
-    threads, the OpenBLAS wheel's count and MKL's per-call count (blas.py), oneDNN's OpenMP
-    threads (onednn.py). NumPy's own OpenBLAS, which ``numpy.matmul`` runs on, is not changed.
+    threads, the OpenBLAS wheel's count and MKL's per-call count (blas.py), and so oneDNN's
+    convolutions, which run on the intra-op threads (conv_onednn.py). NumPy's own OpenBLAS, which ``numpy.matmul`` runs on, is not changed.
 
     Args:
         n: a positive int.
     """
     thread_count.put(n)
     blas.set_num_threads(n)
-    onednn.set_num_threads(n)
     with _lock:
         pool, _state["pool"] = _state["pool"], None
     if pool is not None:
@@ -126,9 +126,11 @@ def in_worker():
     return _worker.active
 
 
-def parallel_map(fn, n):
+def parallel_map(fn, n, calls_blas=True):
     """[fn(0), ..., fn(n-1)]: the caller runs fn(0), the pool's threads the rest; n <= get_num_threads().
-    In turn on the calling thread where the kernels' BLAS is not one minidl sets (module docstring).
+    In turn on the calling thread where the kernels' BLAS is not one minidl sets (module docstring),
+    unless ``calls_blas`` is False: the calls run no BLAS (oneDNN's convolutions), so they may run
+    in parallel whichever BLAS there is.
 
     Every call finishes before this returns, also when one raises (the first error is then
     re-raised): callers share buffers between the calls' results.
@@ -137,7 +139,7 @@ def parallel_map(fn, n):
         return [fn(i) for i in range(n)]
     if n > get_num_threads():
         raise ValueError(f"parallel_map: {n} calls for {get_num_threads()} threads")
-    if not blas.chunks_may_run_in_parallel():
+    if calls_blas and not blas.chunks_may_run_in_parallel():
         return [fn(i) for i in range(n)]
     done = queue.SimpleQueue()
     pool = _pool()

@@ -2,6 +2,7 @@
 load), gemm's defaults, and which views matmul takes as they lie (the rest it leaves to NumPy)."""
 import ctypes
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 
 from minidl import kernels
 from minidl.kernels.cpu import blas
+from minidl.kernels.cpu.load_settings import environment_during
 
 pytestmark = pytest.mark.cpu_only
 
@@ -78,51 +80,70 @@ def test_without_the_openblas_wheel_nothing_is_loaded_and_the_status_names_the_e
 def test_a_setting_for_a_load_is_in_the_environment_only_during_it(monkeypatch):
     monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
     before = dict(os.environ)
-    with blas._environ_for_load({"KMP_BLOCKTIME": "1"}):
+    with environment_during({"KMP_BLOCKTIME": "1"}):
         assert os.environ["KMP_BLOCKTIME"] == "1"
     assert dict(os.environ) == before
     monkeypatch.setenv("KMP_BLOCKTIME", "50")  # the user's own value wins and stays
-    with blas._environ_for_load({"KMP_BLOCKTIME": "1"}):
+    with environment_during({"KMP_BLOCKTIME": "1"}):
         assert os.environ["KMP_BLOCKTIME"] == "50"
     assert os.environ["KMP_BLOCKTIME"] == "50"
 
 
-def test_the_blocktime_opt_in_is_whole_milliseconds_and_names_itself():
-    assert blas._blocktime_setting({}) == {}
-    assert blas._blocktime_setting({"MINIDL_OMP_BLOCKTIME_MS": "1"}) == {"KMP_BLOCKTIME": "1"}
+def test_the_blocktime_is_whole_milliseconds_one_by_default_and_names_its_variable():
+    assert blas.blocktime_ms({}) == 1
+    assert blas.blocktime_ms({"MINIDL_OMP_BLOCKTIME_MS": "0"}) == 0
+    assert blas.blocktime_ms({"MINIDL_OMP_BLOCKTIME_MS": "250"}) == 250
     for bad in ("soon", "-1", "1.5"):
         with pytest.raises(ValueError, match=f"MINIDL_OMP_BLOCKTIME_MS must be a whole number of milliseconds "
                                              f"\\(0 or more\\), got '{bad}'"):
-            blas._blocktime_setting({"MINIDL_OMP_BLOCKTIME_MS": bad})
+            blas.blocktime_ms({"MINIDL_OMP_BLOCKTIME_MS": bad})
 
 
+# A fresh process (Intel OpenMP starts once): loading MKL and the OpenBLAS wheel and a threaded
+# GEMM big enough for MKL's team; then the calling thread's own blocktime, whether os.environ is
+# as before, and the CPU time the process spent while its main thread slept: the team spinning.
 _LOAD_AND_REPORT = """
-import ctypes, os, numpy as np
+import ctypes, json, os, sys, time, numpy as np
 before = dict(os.environ)
 from minidl.kernels.cpu import blas
+from minidl.kernels.cpu.load_settings import environment_during
+from minidl import kernels
 assert blas.load("mkl")
 blas.load("openblas")
-a = np.ones((64, 64), np.float32)
+kernels.set_option("blas_compiled", sys.argv[1] == "compiled")
+a = np.ones((512, 512), np.float32)
 out = np.empty_like(a)
+time.sleep(0.3)  # the load's check against numpy.matmul leaves NumPy's OpenBLAS thread spinning ~0.1 s
 assert blas.matmul(a, a, out, threads=2)
+cpu = time.process_time()
+time.sleep(0.5)
+cpu = time.process_time() - cpu
 iomp = ctypes.CDLL("libiomp5.so", mode=os.RTLD_NOLOAD)  # the OpenMP runtime MKL loaded
-print(iomp.kmp_get_blocktime(), dict(os.environ) == before)
+print(json.dumps({"own_blocktime": iomp.kmp_get_blocktime(), "environ_unchanged": dict(os.environ) == before,
+                  "cpu_while_asleep": cpu}))
 """
 
 
 @pytest.mark.skipif(not wheel_installed("mkl"), reason="needs the mkl extra: pip install -e '.[mkl]'")
-@pytest.mark.parametrize("opt_in, blocktime", [(None, 200), ("1", 1)])
-def test_loading_the_libraries_leaves_the_environment_and_blocktime_is_an_opt_in(opt_in, blocktime):
-    """A fresh process (OpenMP reads its settings once): loading MKL (and the OpenBLAS wheel) and a
-    threaded GEMM leave os.environ as it was; OpenMP's spin after a GEMM stays its default, 200 ms,
-    unless MINIDL_OMP_BLOCKTIME_MS asks for another."""
-    env = {k: v for k, v in os.environ.items() if k not in ("KMP_BLOCKTIME", "MINIDL_OMP_BLOCKTIME_MS")}
-    if opt_in is not None:
-        env["MINIDL_OMP_BLOCKTIME_MS"] = opt_in
-    done = subprocess.run([sys.executable, "-c", _LOAD_AND_REPORT], capture_output=True, text=True, timeout=120,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == [str(blocktime), "True"]
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="MKL's team needs 2 cores")
+@pytest.mark.parametrize("route", ["ctypes", "compiled"])
+def test_a_threaded_gemm_has_its_team_wait_briefly_and_leaves_the_thread_and_environment_as_they_were(route):
+    """MKL's OpenMP team waits 1 ms after minidl's GEMM (by default), not the 200 ms of Intel OpenMP's
+    default, yet the calling thread's own blocktime stays 200 and os.environ unchanged; with
+    MINIDL_OMP_BLOCKTIME_MS=2000 the team spins through half a second's sleep (what the check sees)."""
+    def report(**environ):
+        env = {k: v for k, v in os.environ.items() if k not in ("KMP_BLOCKTIME", "MINIDL_OMP_BLOCKTIME_MS")}
+        done = subprocess.run([sys.executable, "-c", _LOAD_AND_REPORT, route], capture_output=True, text=True,
+                              timeout=120, env={**env, **environ})
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.splitlines()[-1])
+    brief = report()
+    assert brief == {**brief, "own_blocktime": 200, "environ_unchanged": True}
+    # On a loaded 2-core host the spinning thread gets a share of a core; idle, all of it.
+    assert brief["cpu_while_asleep"] < 0.03, brief
+    spinning = report(MINIDL_OMP_BLOCKTIME_MS="2000")
+    assert spinning == {**spinning, "own_blocktime": 200, "environ_unchanged": True}
+    assert spinning["cpu_while_asleep"] > 0.05, spinning
 
 
 @pytest.mark.parametrize("name", ["openblas", "mkl"])
@@ -235,6 +256,7 @@ import warnings, numpy as np, torch
 (torch.randn(64, 64) @ torch.randn(64, 64)).sum()  # PyTorch's MKL and OpenMP in the process first
 from minidl import kernels, nn, Tensor
 from minidl.kernels.cpu import blas
+from minidl.kernels.cpu.load_settings import environment_during
 x, w = (np.random.default_rng(i).standard_normal(s).astype(np.float32) for i, s in ((0, (8, 20)), (1, (32, 20))))
 d = nn.Dense(20, 32)
 d.weight.set_data(Tensor(w))

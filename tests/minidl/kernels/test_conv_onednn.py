@@ -61,6 +61,66 @@ def test_a_resnet_layer_on_one_and_two_threads(threads):
     assert names(used) == {"Conv2DOneDNN"}
 
 
+@pytest.mark.parametrize("threads, batch, chunks", [(2, 5, {(3, 1), (2, 1)}), (2, 1, {(1, 2)}), (4, 3, {(1, 1)}),
+                                                    (3, 9, {(3, 1)})])
+def test_a_batch_is_cut_into_one_chunk_per_thread(monkeypatch, threads, batch, chunks):
+    """One chunk of images per intra-op thread, each chunk's plan made for one OpenMP thread; a
+    batch smaller than the thread count: one chunk per image, its OpenMP threads sharing the rest.
+    Forward and both gradients equal the reference's."""
+    monkeypatch.setattr(conv_onednn, "_plans", conv_onednn._Plans(8))
+    rng = np.random.default_rng(7)
+    x, w = rng.standard_normal((batch, 16, 6, 6)).astype(np.float32), rng.standard_normal((8, 16, 3, 3)).astype(np.float32)
+    before = minidl.get_num_threads()
+    minidl.set_num_threads(threads)
+    try:
+        used = check_kernels(lambda a, b: ops.Conv2D(8, 3, pad_mode="pad", pad=1)(a, b), [x, w], np.float32)
+    finally:
+        minidl.set_num_threads(before)
+    assert names(used) == {"Conv2DOneDNN"}
+    # plan key: (x shape, w shape, stride, dilation, pads, OpenMP threads)
+    assert {(key[0][0], key[-1]) for key in conv_onednn._plans._plans} == chunks
+
+
+# A fresh process: the threads it has after a warm-up (the intra-op pool started) and after a
+# ResNet layer's forward and backward on oneDNN, which must start no GNU OpenMP team.
+THREADS_AFTER_CONVOLUTIONS = """
+import os, sys
+import numpy as np
+import minidl
+from minidl import ops, Tensor, kernels
+from minidl.kernels.cpu import threads as intra_op
+minidl.set_num_threads(2)
+tasks = lambda: len(os.listdir("/proc/self/task"))
+intra_op.parallel_map(lambda i: i, 2, calls_blas=False)
+before = tasks()
+x = Tensor(np.ones((int(sys.argv[1]), 16, 16, 16), np.float32), requires_grad=True)
+w = Tensor(np.ones((16, 16, 3, 3), np.float32), requires_grad=True)
+with kernels.tracking() as used:
+    ops.Conv2D(16, 3, pad_mode="pad", pad=1)(x, w).sum().backward()
+assert {k.name for k in used} >= {"Conv2DOneDNN"}, used
+print(before, tasks())
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores for 2 threads")
+def test_a_batch_on_two_threads_starts_no_openmp_team():
+    """Batch 8 on two threads: two chunks on minidl's threads, one OpenMP thread each, so GNU
+    OpenMP starts no thread of its own (none spins after the primitive). One image on two threads
+    runs on two OpenMP threads: its team shows that the count would see one."""
+    import subprocess
+    import sys
+
+    def threads_before_and_after(batch):
+        done = subprocess.run([sys.executable, "-c", THREADS_AFTER_CONVOLUTIONS, str(batch)], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return tuple(map(int, done.stdout.split()))
+    before, after = threads_before_and_after(8)
+    assert after == before
+    before, after = threads_before_and_after(1)
+    assert after == before + 1
+
+
 @pytest.mark.parametrize("wanted", ["x", "w"])
 def test_a_gradient_to_one_input_only(wanted):
     rng = np.random.default_rng(2)
@@ -190,7 +250,10 @@ def forward(x_shape, w_shape):
 def one_onednn_thread(monkeypatch):
     """Tiny convolutions gain nothing from threads, and on a loaded host two OpenMP threads meeting
     at each primitive's end made the 1,000 geometries take 17 s instead of 4."""
-    monkeypatch.setitem(conv_onednn.dnnl._state, "threads", 1)  # (each run applies the count in force)
+    before = minidl.get_num_threads()
+    minidl.set_num_threads(1)
+    yield
+    minidl.set_num_threads(before)
 
 
 def resident_mib():

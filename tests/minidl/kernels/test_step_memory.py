@@ -4,7 +4,9 @@ tracemalloc) is far below one activation's size, on the kernels as on the refere
 
 Whatever a kernel needs between forward and backward lives on the autograd node and goes with
 the graph; a module-level cache, a kept work buffer, or a thread still holding the closure of its
-last task (minidl/kernels/cpu/threads.py's pool did) would keep a step's arrays. The options send every
+last task (minidl/kernels/cpu/threads.py's pool did) would keep a step's arrays. The kernels'
+pool of reused blocks (buffers.py) keeps its blocks, made in the first step; every one of them
+must be free after the steps. The options send every
 size down the routes the large models take: the intra-op threads (map_rows, parallel_map), the
 BatchNorm kernels and the conv routes' chunks.
 """
@@ -17,7 +19,7 @@ import pytest
 
 import minidl
 from minidl import kernels, nn
-from minidl.kernels.cpu import threads as intra_op
+from minidl.kernels.cpu import buffers, threads as intra_op
 
 pytestmark = pytest.mark.cpu_only
 
@@ -93,6 +95,8 @@ def left_after_steps(net, x, steps=2):
             for _ in range(steps):
                 step()
         gc.collect()
+        held, free = buffers.held_bytes()
+        assert free == held, f"{held - free} bytes of the kernels' pool still in use after the steps"
         return tracemalloc.get_traced_memory()[0] - before, {k.name for k in used}
     finally:
         tracemalloc.stop()

@@ -221,12 +221,24 @@ def _pools():
     return {"intra-op": minidl.get_num_threads(),
             "openblas": blas.num_threads("openblas") if blas.load("openblas") else None,
             "mkl": blas.num_threads("mkl") if blas.load("mkl") else None,
-            "onednn": onednn.get_num_threads()}
+            "onednn": _onednn_chunks()}
+
+
+def _onednn_chunks():
+    """How many threads oneDNN's convolution of 8 images runs on: one chunk of images per thread
+    (conv_onednn.py); None where oneDNN is not installed."""
+    from minidl.kernels.cpu import conv_onednn
+    if not onednn.installed():
+        return None
+    chunks = conv_onednn._Chunks(ops.Conv2D(4, 3), (8, 4, 6, 6), (4, 4, 3, 3))
+    assert all(plan.threads == 1 for plan in chunks.plans)  # one OpenMP thread per chunk
+    return len(chunks.bounds)
 
 
 def test_set_num_threads_sets_every_pool_minidl_uses(threads):
     """One owner: the intra-op threads, the OpenBLAS wheel, MKL (its count outside a MatMul's call,
-    which gets the thread count thread-locally: kernels/cpu/matmul.py) and oneDNN all follow it."""
+    which gets the thread count thread-locally: kernels/cpu/matmul.py) and oneDNN's convolutions
+    (one chunk of the batch per intra-op thread) all follow it."""
     threads(2)
     pools = _pools()
     assert pools["intra-op"] == 2

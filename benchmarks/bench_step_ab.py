@@ -227,20 +227,22 @@ def main():
     rng = np.random.default_rng(0)
     x = Tensor(rng.standard_normal((batch,) + shape).astype(np.float32))
     y = Tensor(rng.integers(0, 10, batch).astype(np.int32))
-    times = {"A": [], "B": []}
+    times, faults = {"A": [], "B": []}, {"A": [], "B": []}
     b_settings = settings_of_b()
     what = ", ".join(args.set + args.option) if args.set or args.option else f"{args.change} undone"
     for i in range(args.warmup + args.steps):
         for name in ("A", "B") if i % 2 else ("B", "A"):  # neither always runs first
-            t = time.perf_counter()
+            t, f = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             with settings(b_settings if name == "B" else []):
                 step(x, y)
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - t)
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f)
     med = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+    flt = {k: int(np.median(v)) for k, v in faults.items()}
     print(f"{args.model}, batch {batch}, {args.threads} thread(s), {args.mode} mode, {args.steps} alternating steps each")
-    print(f"A  minidl: {med['A']:.2f} ms/step (median)")
-    print(f"B  with {what}: {med['B']:.2f} ms/step (median)")
+    print(f"A  minidl: {med['A']:.2f} ms/step (median), {flt['A']} minor page faults per step")
+    print(f"B  with {what}: {med['B']:.2f} ms/step (median), {flt['B']} minor page faults per step")
     print(f"A is {med['B'] / med['A']:.3f}x as fast as B")
 
 

@@ -84,4 +84,6 @@ def test_bench_step_ab_prints_both_variants_and_their_ratio(change):
     a = [line for line in text.splitlines() if line.startswith("A  minidl:")]
     b = [line for line in text.splitlines() if line.startswith("B  ")]
     assert len(a) == len(b) == 1 and "ms/step" in b[0]
+    # paired steps of one process (each of these changes; --env runs processes of their own)
+    assert all(re.search(r"ms/step \(median\), \d+ minor page faults per step$", line) for line in a + b)
     assert any(line.startswith("A is ") and "as fast as B" in line for line in text.splitlines())

@@ -21,31 +21,34 @@ class Journal:
 
     def __init__(self, names):
         self.names = names  # id(cell) -> its path in the network
-        self.where = {}  # id(record) -> the cell path its head was called in
-        self.why = {}  # id(record) -> why its pattern broke (before it ran)
+        # Keyed by the records themselves, not their id(): a record that ran is freed, and a later
+        # one could take its id and inherit its place or reason.
+        self.where = {}  # record -> the cell path its head was called in
+        self.why = {}  # record -> why its pattern broke (before it ran)
         self.rows = []
 
-    def _path(self, cell):
-        if cell is None:
-            return "(outside any Cell)"
+    def _path(self, cell):  # (never None: explain's ops all run inside its copy of the network)
         return self.names.get(id(cell)) or type(cell).__name__
 
     def deferred(self, record, cell):
-        self.where[id(record)] = self._path(cell)
+        self.where[record] = self._path(cell)
+
+    def continued(self, record, head_record):
+        """``record``, the op after a pending head, is reported where its head was called."""
+        self.where[record] = self.where[head_record]
 
     def broke(self, record, reason):
-        self.why.setdefault(id(record), reason)
+        self.why.setdefault(record, reason)
 
     def fused(self, head_record, rule):
-        self.rows.append({"what": "fused", "ops": rule.describe(), "where": self.where.get(id(head_record), "?"),
+        self.rows.append({"what": "fused", "ops": rule.describe(), "where": self.where[head_record],
                           "why": "its guards held"})
 
     def ran(self, record, rule, why):
         ops = record.op.name if rule is None else rule.describe()
-        head_id = id(record)
-        reason = self.why.get(head_id, why)
+        reason = self.why.get(record, why)
         what = "fused" if rule is not None else "not fused"
-        self.rows.append({"what": what, "ops": ops, "where": self.where.get(head_id, "?"), "why": reason})
+        self.rows.append({"what": what, "ops": ops, "where": self.where[record], "why": reason})
 
     def note(self, what, name, cell, reason):
         self.rows.append({"what": what, "ops": name, "where": self._path(cell), "why": reason})

@@ -80,7 +80,7 @@ class GraphLayer(Layered):
         """The pending values ``user`` (an op or a Cell) takes are computed first (eager's order)."""
         for a in args:
             if isinstance(a, Tensor) and a._pending is not None:
-                a._pending.resolve(f"{getattr(user, 'name', None) or type(user).__name__} used it")
+                a._pending.resolve(f"{type(user).__name__} used it")
 
     def _head(self, prim, head, args):
         known = head(prim, args, self.inner)
@@ -119,7 +119,7 @@ class GraphLayer(Layered):
         reason = self._guard(prim, head_record)
         tails = [r for r in rows if len(r.pattern) == len(chain) + 1 and not r.at_end]
         if reason is None and tails:
-            return self._tail(prim, args, record, head_record, tails[0])
+            return self._tail(args, record, head_record, tails[0])
         if reason is None:  # a middle: it waits too
             return self._middle(prim, args, i, record, rows[0])
         if journal is not None:
@@ -136,14 +136,14 @@ class GraphLayer(Layered):
         return None
 
     def _middle(self, prim, args, i, record, rule):
-        if record.head is not None or len(args) != 2:
+        if record.head is not None or len(args) != 2 or i not in rule.head_at:
             return None
         operand = args[1 - i]
         if not isinstance(operand, Tensor) or operand is args[i]:
             return None
         if operand._pending is not None:  # a pending operand is computed now (then it can be watched)
             operand._pending.resolve(f"{prim.name} used it")
-        record = pending_head(args[i], rule.pattern[0])  # still pending? (reading the operand may have run it)
+        record = pending_head(args[i])  # still pending? (reading the operand may have run it)
         if record is None:
             return None
         if operand.placement is not None and not self.inner.intercepts_ops:
@@ -155,6 +155,8 @@ class GraphLayer(Layered):
             return None
         after = Pending(prim, tuple(args), record.grad, record.shape, record.dtype, self.inner, head=i,
                         journal=record.journal)
+        if after.journal is not None:
+            after.journal.continued(after, record)
         out = _pending.new_output(after, _records_grad(prim, args, record.grad, record.dtype))
         _pending.watch(after, (operand,))
         if record.frame is not None:  # runs when its head would (a Cell's end), before it
@@ -162,7 +164,7 @@ class GraphLayer(Layered):
             after.frame = record.frame
         return out
 
-    def _tail(self, prim, args, record, head_record, rule):
+    def _tail(self, args, record, head_record, rule):
         if len(args) != 1:
             return None
         d = args[0]

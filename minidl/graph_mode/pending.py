@@ -106,12 +106,12 @@ def pending_record(t):
     return record if record is not None and t._data is None else None
 
 
-def pending_head(t, cls=None):
-    """t's record when t is a head's output (of class ``cls``, when given) still PENDING, else None."""
+def pending_head(t):
+    """t's record when t is a head's output still PENDING, else None."""
     record = pending_record(t)
     if record is None or record.head is not None or record.state is not PENDING:
         return None
-    return record if cls is None or type(record.op) is cls else None
+    return record
 
 
 # ---- watching ------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def unwatch(record):
 
 # ---- computing a pending output ---------------------------------------------------------------------
 
-def materialise(out, why="its value was read"):
+def materialise(out, why):
     """Runs the op ``out`` waits for, as eager ran it, and puts the result into ``out``."""
     with lock:
         record = _claim(out)

@@ -31,8 +31,10 @@ class Rule:
     """One fusion: ``pattern`` (op classes, head first) runs as ``replacement``.
 
     ``middle``: the guard of the middle op (its operand, the head's record), when the pattern
-    has one. ``fuse(head_record, operand)``: the replacement's (primitive, arguments, the head's
-    arguments its own output still needs).
+    has one; ``head_at``: which of the middle op's arguments the head's output may be (either
+    side of an Add; a BiasAdd's input, never its bias, for which eager raises).
+    ``fuse(head_record, operand)``: the replacement's (primitive, arguments, the head's arguments
+    its own output still needs).
     """
 
     name: str
@@ -40,6 +42,7 @@ class Rule:
     replacement: type
     fuse: object
     middle: object = None
+    head_at: tuple = (0, 1)
     at_end: bool = False
 
     def describe(self):
@@ -123,7 +126,8 @@ def residual_of_the_same_shape(operand, head):
 def bias_of_the_columns(operand, head):
     """the bias is a Tensor of the product's columns, of its dtype"""
     if tuple(operand.shape) != head.shape[1:] or operand.dtype != head.dtype:
-        return f"the bias's shape {tuple(operand.shape)} is not the product's columns {head.shape[1:]}"
+        return (f"the bias's shape {tuple(operand.shape)} / dtype {operand.dtype} is not the product's columns "
+                f"{head.shape[1:]} / dtype {head.dtype}")
     return None
 
 
@@ -152,8 +156,9 @@ RULES = (
     Rule("Dense + ReLU", (Dense, ReLU), DenseReLU, fused_dense_relu),
     Rule("MatMul + ReLU", (MatMul, ReLU), DenseReLU, fused_dense_relu),
     Rule("MatMul + BiasAdd + ReLU", (MatMul, BiasAdd, ReLU), DenseReLU, fused_dense_relu,
-         middle=bias_of_the_columns),
-    Rule("MatMul + BiasAdd", (MatMul, BiasAdd), Dense, fused_dense, middle=bias_of_the_columns, at_end=True),
+         middle=bias_of_the_columns, head_at=(0,)),
+    Rule("MatMul + BiasAdd", (MatMul, BiasAdd), Dense, fused_dense, middle=bias_of_the_columns, head_at=(0,),
+         at_end=True),
 )
 
 

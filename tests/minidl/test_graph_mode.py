@@ -910,3 +910,176 @@ def test_waiting_for_another_threads_run_of_a_pending_op_is_bounded_and_names_it
         assert time.monotonic() - started >= 0.5
         record.state = pending.PENDING  # the other thread gave up: the next use runs it here
         assert y.asnumpy().shape == (4, 3, 8, 8)
+
+
+def test_a_pending_outputs_requires_grad_and_grad_are_eagers_before_it_runs():
+    """``requires_grad`` of a pending output (a head's, or the Add or BiasAdd after one) is known
+    before it is computed: the grad mode on, a float output, an argument that requires grad."""
+    def forward():
+        seen = []
+        for grad_on in (True, False):
+            for needs_grad in (True, False):
+                gamma, beta, mean, var = bn_parts()
+                x, w, b = image((4, 5)), image((3, 5), seed=1), image((3,), seed=2)
+                w2, b2 = image((3, 5), seed=4), image((3,), seed=5)
+                for t in (gamma, beta, w, b, w2, b2):
+                    t.requires_grad = needs_grad
+                with contextlib.nullcontext() if grad_on else minidl.no_grad():
+                    y = ops.BatchNorm(is_training=True)(image(), gamma, beta, mean, var)
+                    m = ops.MatMul(transpose_b=True)(x, w)
+                    outs = [y, y + image(seed=3), m, ops.bias_add(m, b), ops.Dense()(image((4, 5), seed=6), w2, b2)]
+                seen.append([(t.requires_grad, t.grad, graph_mode.is_deferred(t)) for t in outs])
+                seen.append([(t.requires_grad, t.grad) for t in outs if t.asnumpy() is not None])
+        return seen
+    eager, graph = both(forward)
+    assert [[s[:2] for s in step] for step in graph] == [[s[:2] for s in step] for step in eager]
+    assert eager[0][0] == (True, None, False) and eager[2][0] == eager[4][0] == (False, None, False)
+    assert all(s[2] for s in graph[0])   # none computed yet when requires_grad was read
+
+
+class Intercepting(Runtime):
+    """A runtime that runs every op itself, as a tensor-parallel one does (``intercepts_ops``):
+    GRAPH_MODE must send it each op, the fused ones included, and take no shortcut around it."""
+
+    intercepts_ops = True
+
+    def __init__(self):
+        self.ran = []
+
+    def call_op(self, prim, args):
+        self.ran.append(type(prim).__name__)
+        return prim.apply(*args)
+
+
+def test_under_a_runtime_that_runs_the_ops_graph_mode_fuses_and_sends_it_every_op():
+    def forward():
+        block = models_minidl.BasicBlock(3, 8, 2)
+        block.set_train(True)
+        seq = nn.SequentialCell([nn.Dense(8, 4), nn.ReLU()])
+        with Intercepting() as runtime:
+            out = seq(block(image()).mean((2, 3)))
+        return out.asnumpy(), state(block), sorted(set(runtime.ran))
+    with kernels.reference_only():
+        (out_e, st_e, ran_e), (out_g, st_g, ran_g) = both(forward)
+    assert_same([out_e, st_e], [out_g, st_g])
+    # bn1 + relu cell and bn2 + identity + relu cell fused; the Dense cell and relu cell fused by deferral
+    assert {"BatchNormReLU", "DenseReLU"} <= set(ran_g) and not {"ReLU", "Add"} & set(ran_g)
+    assert "BatchNormReLU" not in ran_e and "ReLU" in ran_e
+
+
+def test_a_pending_value_passed_into_a_cell_fuses_there():
+    """A BatchNorm called outside any Cell, its output given to a ReLU cell: fused there (on the
+    local runtime the network's inputs are not computed at its call)."""
+    def forward():
+        y = ops.BatchNorm(is_training=True)(image(), *bn_parts())
+        out = nn.ReLU()(y)
+        return out.asnumpy(), node_names(out)
+    (out_e, names_e), (out_g, names_g) = both(forward)
+    assert_same(out_e, out_g)
+    assert names_e == ["ReLU", "BatchNorm"] and names_g == ["BatchNormReLU"]
+
+
+def test_the_input_of_a_pending_batchnorm_is_not_its_output():
+    """relu(x) of a BatchNorm's input x, while the BatchNorm waits: x's own ReLU, eager's value
+    (the BatchNorm runs first, as eager's order), never the BatchNorm's fused output."""
+    def forward():
+        x = image()
+        x.requires_grad = True
+        x = x * 1.0
+        y = ops.BatchNorm(is_training=True)(x, *bn_parts())
+        watched = graph_mode.is_deferred(x)
+        r = ops.relu(x)
+        return r.asnumpy(), node_names(r), y.asnumpy(), watched
+    (r_e, names_e, y_e, _), (r_g, names_g, y_g, watched) = both(forward)
+    assert_same([r_e, y_e], [r_g, y_g])
+    assert names_g == names_e == ["ReLU", "Mul"] and watched is False
+
+
+class FailingOnce(Runtime):
+    """Its first run of an op of class ``cls`` raises (as a collective that timed out); ``ran``:
+    the ops it ran."""
+
+    def __init__(self, cls):
+        self.cls, self.failed, self.ran = cls, False, []
+
+    def call_op(self, prim, args):
+        if type(prim) is self.cls and not self.failed:
+            self.failed = True
+            raise RuntimeError(f"{self.cls.__name__} failed once")
+        self.ran.append(type(prim).__name__)
+        return prim.apply(*args)
+
+
+@pytest.mark.parametrize("fails", ["BatchNorm", "BatchNormReLU", "Dense"])
+def test_an_op_that_fails_stays_pending_and_its_next_use_runs_it_as_before(fails, monkeypatch):
+    """A pending op (or the fused op of its pattern) whose run raises stays pending: the error is
+    the runtime's, and the next use runs it again, fusing as it would have."""
+    from minidl.graph_mode import pending
+    from minidl.ops.dense import Dense
+    from minidl.ops.norm import BatchNorm
+    monkeypatch.setattr(pending, "WAIT_S", 5.0)  # (a record left RUNNING would make the retry wait)
+    with kernels.reference_only():
+        x, w, b = image((4, 5)), image((3, 5), seed=1), image((3,), seed=2)
+        with mode(minidl.PYNATIVE_MODE):
+            expected_bn = ops.relu(ops.BatchNorm(is_training=True)(image(), *bn_parts())).asnumpy()
+            expected_dense = ops.bias_add(ops.MatMul(transpose_b=True)(x, w), b).asnumpy()
+        with mode(minidl.GRAPH_MODE), FailingOnce({"BatchNorm": BatchNorm, "BatchNormReLU": BatchNormReLU,
+                                                   "Dense": Dense}[fails]) as runtime:
+            if fails == "Dense":    # MatMul + BiasAdd, run as one Dense when read
+                out = ops.bias_add(ops.MatMul(transpose_b=True)(x, w), b)
+                use, expected, fused = out.asnumpy, expected_dense, "Dense"
+            else:
+                y = ops.BatchNorm(is_training=True)(image(), *bn_parts())
+                use = y.asnumpy if fails == "BatchNorm" else lambda: ops.relu(y)
+                expected, fused = expected_bn, "BatchNormReLU"
+            with pytest.raises(RuntimeError, match=f"^{fails} failed once$"):
+                use()
+            if fails != "Dense":
+                out = ops.relu(y)
+            np.testing.assert_array_equal(out.asnumpy(), expected)
+        assert runtime.ran == [fused]
+
+
+def test_with_no_wake_up_at_all_the_wait_still_ends(monkeypatch):
+    """A thread waiting for a pending op another thread runs, and no run ever ends: it still gives
+    up after WAIT_S (each wait is bounded; nothing needs to wake it)."""
+    import threading
+    from minidl.graph_mode import pending
+    monkeypatch.setattr(pending, "WAIT_S", 0.3)
+    with mode(minidl.GRAPH_MODE):
+        y = ops.BatchNorm(is_training=True)(image(), *bn_parts())
+        record = y._pending
+        record.state = pending.RUNNING  # as while another thread runs it
+        errors = []
+
+        def use():
+            try:
+                y.asnumpy()
+            except RuntimeError as err:
+                errors.append(str(err))
+        waiter = threading.Thread(target=use, daemon=True)
+        waiter.start()
+        waiter.join(10.0)
+        ended = not waiter.is_alive()
+        with pending.lock:  # (free a waiter that would not end by itself)
+            record.state = pending.PENDING
+            pending._ran.notify_all()
+        waiter.join()
+    assert ended and errors and errors[0].startswith("GRAPH_MODE: waited 0 s for another thread")
+
+
+def test_a_computed_output_takes_the_placement_the_runtime_gave_its_value():
+    """Under a runtime that places op outputs (tensor parallelism), a pending output, once
+    computed, carries the placement the runtime gave (a whole-tensor block of a world of one here)."""
+    class Placing(Intercepting):
+        def call_op(self, prim, args):
+            return sharded(super().call_op(prim, args))
+
+    def forward():
+        with Placing():
+            y = ops.BatchNorm(is_training=True)(image(), *bn_parts())
+            value = y.asnumpy()
+        return value, str(y.placement)
+    (value_e, placement_e), (value_g, placement_g) = both(forward)
+    assert_same(value_e, value_g)
+    assert placement_g == placement_e != "None"

@@ -612,7 +612,8 @@ def test_sharded_or_raw_inputs_are_not_deferred():
         fc = nn.Dense(5, 3)
         fc.weight = w
         outs = [ops.relu(ops.bias_add(matmul(x, w), b)), ops.relu(dense(x, w, b)),
-                nn.SequentialCell([fc, nn.ReLU()])(x)]
+                nn.SequentialCell([fc, nn.ReLU()])(x),
+                ops.relu(ops.bias_add(matmul(x, data((3, 5), 1)), sharded(Parameter(data((3,), 2).data, name="b"))))]
         w = data((3, 5), 1)
         outs += [ops.relu(ops.bias_add(matmul(x.asnumpy(), w), b)), ops.relu(dense(x.asnumpy(), w, b))]
         return [(out.asnumpy(), node_names(out)) for out in outs]
@@ -620,3 +621,18 @@ def test_sharded_or_raw_inputs_are_not_deferred():
         eager, graph = both(forward)
     assert_same(eager, graph)
     assert all("DenseReLU" not in names for _, names in graph)
+    assert graph[3][1] == ["ReLU", "BiasAdd"]   # the sharded bias: MatMul and BiasAdd as eager's
+
+
+def test_a_pending_product_given_as_the_bias_raises_eagers_error():
+    """bias_add(b, x @ w.T): the product is BiasAdd's bias, not its input. Eager raises at the
+    call; GRAPH_MODE must not defer it as the MatMul + BiasAdd pattern (it used to compute
+    x @ w.T + b instead)."""
+    x, w, b = data((4, 5)), data((3, 5), 1), data((3,), 2)
+    messages = []
+    for m in MODES:
+        with mode(m):
+            with pytest.raises(ValueError) as err:
+                ops.bias_add(b, matmul(x, w))
+            messages.append(str(err.value))
+    assert messages[0] == messages[1] and messages[0].startswith("BiasAdd: x must have rank >= 2")

@@ -101,6 +101,25 @@ def test_an_idle_class_loses_its_free_blocks_at_the_next_new_block(monkeypatch):
     assert np.all(kept_busy == 2.0)
 
 
+def test_a_class_is_idle_after_more_than_idle_requests_others(monkeypatch):
+    """With IDLE_REQUESTS = 3: a free block whose class was last asked for 3 requests ago stays;
+    one more request of another class (a new block) drops it."""
+    monkeypatch.setattr(buffers, "IDLE_REQUESTS", 3)
+    idle = buffers.empty(BIG, np.float32)  # request 1
+    idle_block = idle.base.nbytes
+    del idle
+    others = [buffers.empty((k,) + BIG[1:], np.float32) for k in (2, 3, 5)]  # requests 2-4: new blocks
+    assert buffers.held_bytes()[1] == idle_block  # idle for 3 requests: kept
+    others.append(buffers.empty((6,) + BIG[1:], np.float32))  # request 5: idle for 4
+    assert buffers.held_bytes() == (sum(o.base.nbytes for o in others), 0)
+
+
+def test_a_size_given_as_an_int_is_a_one_dimensional_array():
+    a = buffers.empty(1 << 20, np.uint8)
+    assert a.shape == (1 << 20,) and buffers.held_bytes()[0] > 0
+    assert buffers.zeros(5, np.float32).shape == (5,)
+
+
 def test_threads_never_get_the_same_block_at_once():
     """Each thread fills its arrays with its own number and checks them after the others ran:
     a block handed to two threads at once would show another thread's number."""

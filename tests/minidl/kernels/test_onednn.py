@@ -1,15 +1,18 @@
-"""The oneDNN binding (minidl/kernels/cpu/onednn.py): the version it accepts, the thread count it
-takes, and what loading it leaves in the process: os.environ as it was, GOMP_SPINCOUNT only as
-an opt-in (MINIDL_OMP_SPIN) that still reaches GNU OpenMP. The tests that load oneDNN skip where
-the onednn extra is not installed."""
+"""The oneDNN binding (minidl/kernels/cpu/onednn.py): the version it accepts, a fresh load that
+runs a convolution, the OpenMP thread count of a block and of a primitive, and what loading it
+leaves in the process: os.environ as it was, GOMP_SPINCOUNT only as an opt-in (MINIDL_OMP_SPIN)
+that still reaches GNU OpenMP. The tests that load oneDNN skip where the onednn extra is not
+installed."""
 import json
 import os
 import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 
+from minidl import kernels, ops, Tensor
 from minidl.kernels.cpu import onednn
 
 needs_onednn = pytest.mark.skipif(not onednn.installed(), reason="the onednn extra is not installed")
@@ -30,6 +33,14 @@ def test_a_spin_count_that_is_not_a_count_is_refused_naming_it(monkeypatch, valu
     with pytest.raises(ValueError, match=rf"MINIDL_OMP_SPIN must be a non-negative int.*got '{value}'"):
         with onednn._environ_for_load():
             pass
+
+
+def test_the_users_own_spin_count_wins_over_a_bad_opt_in(monkeypatch):
+    """GOMP_SPINCOUNT set by the user: MINIDL_OMP_SPIN is not used, so its value is not judged."""
+    monkeypatch.setenv("MINIDL_OMP_SPIN", "fast")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    with onednn._environ_for_load():
+        assert os.environ["GOMP_SPINCOUNT"] == "7"
 
 
 def test_the_spin_count_is_in_the_environment_only_while_libgomp_loads(monkeypatch):
@@ -65,6 +76,41 @@ def test_a_library_of_another_major_is_not_loaded(monkeypatch):
     found = ".".join(map(str, onednn.version()))
     with pytest.warns(UserWarning, match=rf"is oneDNN {found}, .*needs oneDNN 2\.x"):
         assert onednn._load() is None
+
+
+@pytest.mark.cpu_only
+@needs_onednn
+def test_a_fresh_load_runs_a_convolution_forward_and_backward(monkeypatch):
+    """The process loads oneDNN once; here a second load (its own library object, engine, attributes
+    and libgomp binding) becomes the binding's state, and a convolution made and run through it,
+    on two threads, equals the reference: every call _load prepares is one the kernel makes."""
+    from minidl.kernels.cpu import conv_onednn
+    assert onednn.available()
+    loaded = onednn._load()
+    assert loaded["version"][0] == onednn.MAJOR and loaded["gomp"].omp_get_max_threads() >= 1
+    monkeypatch.setattr(onednn, "_state", dict(loaded))
+    monkeypatch.setattr(onednn, "_slots", {})
+    monkeypatch.setattr(conv_onednn, "_plans", conv_onednn._Plans(4))
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((4, 16, 8, 8)).astype(np.float32), rng.standard_normal((8, 16, 3, 3)).astype(np.float32)
+    gy = rng.standard_normal((4, 8, 8, 8)).astype(np.float32)
+
+    def conv_and_grads():
+        a, b = Tensor(x, requires_grad=True), Tensor(w, requires_grad=True)
+        with kernels.tracking() as used:
+            y = ops.Conv2D(8, 3, pad_mode="pad", pad=1)(a, b)
+            y.backward(Tensor(gy))
+        return [y.asnumpy(), a.grad.asnumpy(), b.grad.asnumpy()], {k.name for k in used}
+    got, used = conv_and_grads()
+    with kernels.reference_only():
+        want, _ = conv_and_grads()
+    assert used == {"Conv2DOneDNN"} and len(conv_onednn._plans) == 1
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+    # Its primitives take their scratchpad from each run (oneDNN's user mode: the library's own
+    # would be shared between threads): on two OpenMP threads the weight gradient's needs one.
+    plan = conv_onednn._Plan((4, 16, 8, 8), (8, 16, 3, 3), (4, 8, 8, 8), (1, 1), (1, 1), (1, 1, 1, 1), 2)
+    assert plan.weights.threads == 2 and plan.weights._scratchpad.nbytes > 0
 
 
 @pytest.mark.cpu_only

@@ -205,7 +205,9 @@ class GraphLayer(Layered):
         frame = {}
         frames.append((cell, frame))
         try:
-            if type(cell) is nn.SequentialCell and len(args) == 1 and not kwargs and not self.inner.intercepts_ops:
+            # (a cell whose construct was replaced on the instance, as Cell.recompute does, runs that)
+            if (type(cell) is nn.SequentialCell and "construct" not in cell.__dict__ and len(args) == 1
+                    and not kwargs and not self.inner.intercepts_ops):
                 out = self._sequence(cell, args[0])
             else:
                 out = self.inner.call_cell(cell, args, kwargs)
@@ -237,7 +239,7 @@ class GraphLayer(Layered):
         i, n = 0, len(cells)
         while i < n:
             cell = cells[i]
-            if i + 1 < n and type(cells[i + 1]) is nn.ReLU and type(cell) is nn.Dense:
+            if i + 1 < n and type(cells[i + 1]) is nn.ReLU and type(cell) is nn.Dense and "construct" not in cell.__dict__:
                 out = self._dense_relu(cell, x)
                 if out is not None:
                     x, i = out, i + 2

@@ -6,7 +6,7 @@
     opt = nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9)
 """
 from .cell import Cell, SequentialCell, CellList
-from .wrappers import WithLossCell
+from .wrappers import WithLossCell, TrainOneStepCell
 from .layers import (ReLU, Sigmoid, Tanh, Softmax, LogSoftmax, get_activation, Dense, Flatten, Dropout,
                      Identity, Conv2d, BatchNorm1d, BatchNorm2d, MaxPool2d, AvgPool2d)
 from .layers.attention import MultiheadAttention
@@ -30,4 +30,4 @@ __all__ += ["MultiheadAttention"]
 __all__ += ["GELU", "LeakyReLU", "SiLU", "LayerNorm", "GroupNorm", "Embedding", "NLLLoss"]
 __all__ += ["Adam", "AdamWeightDecay", "LARS"]
 __all__ += ["Conv2dTranspose"]
-__all__ += ["WithLossCell"]
+__all__ += ["WithLossCell", "TrainOneStepCell"]

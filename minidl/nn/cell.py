@@ -251,6 +251,41 @@ class Cell:
         fn(self)
         return self
 
+    def recompute(self, *, use_reentrant=True, output_recompute=False, early_stop=True, context_fn=None, **kwargs):
+        """Keeps only this cell's inputs in forward and runs it again in backward (MindSpore 2.10).
+
+        The gradients, the Dropout masks, the random state after the step and the BatchNorm
+        moving statistics (updated once per step) are those of the run without recompute, bit
+        for bit; the price is one more forward of the cell per step (minidl/nn/recompute.py).
+        The cell must return one Tensor. Calling it again replaces the settings.
+
+        Args (keyword-only, MindSpore's; every flag a bool):
+            use_reentrant: MindSpore's choice of mechanism (a custom backward, or saved-tensor
+                hooks); minidl has one, which serves both.
+            output_recompute: in MindSpore, the output is not kept by the ops after the cell
+                either; minidl accepts it and keeps the output (it forces use_reentrant=False,
+                as MindSpore).
+            early_stop: MindSpore's non-reentrant recomputation stops once it has what backward
+                needs; minidl accepts it and re-runs the whole cell.
+            context_fn: a callable returning two context managers, entered around the forward
+                and around the recomputation; only with use_reentrant=False, as MindSpore.
+            **kwargs: ``mp_comm_recompute``, ``parallel_optimizer_comm_recompute``,
+                ``recompute_slice_activation``: MindSpore's graph compiler's choices about
+                communication operators; minidl accepts them and re-runs everything the cell
+                runs, collectives included. Any other key raises ValueError, as MindSpore.
+
+        Raises:
+            TypeError: a flag that is not a bool; a context_fn that is not callable.
+            ValueError: an unknown keyword; context_fn with use_reentrant=True.
+
+        Example:
+            >>> for block in net.blocks:
+            ...     block.recompute()        # each block's activations live only in its backward
+        """
+        from .recompute import set_recompute  # (the engine and the ops, which cell.py itself never needs)
+        set_recompute(self, use_reentrant=use_reentrant, output_recompute=output_recompute,
+                      early_stop=early_stop, context_fn=context_fn, **kwargs)
+
     # PyTorch spellings.
     def parameters(self, recurse=True):
         return self.get_parameters(expand=recurse)

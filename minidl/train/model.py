@@ -69,6 +69,17 @@ def _is_cell(x):
     return callable(x) and hasattr(x, "parameters_and_names") and hasattr(x, "set_train")
 
 
+def _is_optimizer(x):
+    return callable(x) and hasattr(x, "parameters") and hasattr(x, "parameters_and_names")
+
+
+def _step_optimizer(network):
+    """The optimizer a network that is itself a training step holds (nn.TrainOneStepCell's
+    ``optimizer``), or None."""
+    optimizer = getattr(network, "optimizer", None)
+    return optimizer if _is_optimizer(optimizer) else None
+
+
 def _describe(out):
     if isinstance(out, Tensor):
         return f"a Tensor of shape {out.shape}"
@@ -124,7 +135,10 @@ class Model:
     Args:
         network: the Cell to train; with loss_fn None it returns the loss itself.
         loss_fn: a loss Cell called as ``loss_fn(network(data), label)``, or None.
-        optimizer: an Optimizer over the network's parameters (needed by train).
+        optimizer: an Optimizer over the network's parameters (needed by train), or None
+            when the network is a whole training step (``nn.TrainOneStepCell``, loss_fn None
+            too): each step then calls it with every column, and it differentiates, reduces
+            and updates by itself, as MindSpore's Model does.
         metrics: names ({"accuracy", "loss"}) or a dict name -> Metric, for eval.
         eval_network: a Cell used by eval instead of the default ``(loss, logits, label)``
             evaluation; called with every column of a row.
@@ -140,8 +154,7 @@ class Model:
             raise TypeError(f"Model: network must be a Cell, got {type(network).__name__}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"Model: loss_fn must be a loss Cell (callable) or None, got {type(loss_fn).__name__}")
-        if optimizer is not None and not (callable(optimizer) and hasattr(optimizer, "parameters")
-                                          and hasattr(optimizer, "parameters_and_names")):
+        if optimizer is not None and not _is_optimizer(optimizer):
             raise TypeError(f"Model: optimizer must be an Optimizer or None, got {type(optimizer).__name__}")
         if eval_network is not None and not callable(eval_network):
             raise TypeError(f"Model: eval_network must be a Cell or None, got {type(eval_network).__name__}")
@@ -162,6 +175,8 @@ class Model:
         self._network = network
         self._loss_fn = loss_fn
         self._optimizer = optimizer
+        # The network is the whole step (it holds its optimizer; its reducer is its own).
+        self._network_steps = optimizer is None and loss_fn is None and _step_optimizer(network) is not None
         self._eval_network = eval_network
         self._eval_indexes = list(eval_indexes) if eval_indexes is not None else (
             [0, 1, 2] if eval_network is None else None)
@@ -217,6 +232,15 @@ class Model:
 
     def _build_step(self):
         net, loss_fn, who = self._network, self._loss_fn, "Model.train"
+        if self._network_steps:
+            def network_step(row):
+                out = net(*row)
+                loss = out[0] if isinstance(out, (tuple, list)) and out else out  # (loss, grads) with return_grad
+                if not isinstance(loss, Tensor) or loss.size != 1:
+                    raise ValueError(f"{who}: the training-step network {type(net).__name__} must return the loss "
+                                     f"as a scalar Tensor, but it returned {_describe(out)}")
+                return loss.detach()
+            return network_step
 
         def scalar(loss, what, hint):
             if not isinstance(loss, Tensor) or loss.size != 1:
@@ -294,6 +318,8 @@ class Model:
         """The given reducer, else the active runtime's for the optimizer's parameters (or None)."""
         if self._given_grad_reducer is not None:
             return self._given_grad_reducer
+        if self._network_steps:
+            return None  # the step network asks the runtime itself
         reducer = get_runtime().grad_reducer(self._optimizer.parameters)
         if reducer is not None and not callable(reducer):
             raise TypeError(f"Model.train: the runtime's grad reducer must be callable (grads -> grads), got "
@@ -363,8 +389,11 @@ class Model:
         epoch = self._check_epoch(epoch)
         if not isinstance(uneven_inputs, bool):
             raise TypeError(f"Model.train: uneven_inputs must be a bool, got {uneven_inputs!r}")
-        if self._optimizer is None:
-            raise ValueError("Model.train: an optimizer is needed to train; pass optimizer= to Model")
+        optimizer = _step_optimizer(self._network) if self._network_steps else self._optimizer
+        if optimizer is None:
+            step_hint = ("" if self._loss_fn is not None else ", or a training-step network "
+                         "(nn.TrainOneStepCell(nn.WithLossCell(net, loss_fn), optimizer))")
+            raise ValueError(f"Model.train: an optimizer is needed to train; pass optimizer= to Model{step_hint}")
         if not isinstance(dataset_sink_mode, bool):
             raise TypeError(f"Model.train: dataset_sink_mode must be a bool, got {dataset_sink_mode!r}")
         # Several ranks: an empty shard is reported after the step counts are agreed, on every
@@ -383,7 +412,7 @@ class Model:
 
         start_epoch, skip, global_step = 0, 0, 0
         if resume_from is not None:
-            pos = restore_train_state(resume_from, self._network, self._optimizer)
+            pos = restore_train_state(resume_from, self._network, optimizer)
             if pos.batch_num != batch_num:
                 raise ValueError(f"Model.train: checkpoint {resume_from!r} was trained with {pos.batch_num} steps per "
                                  f"epoch, but train_dataset has {batch_num}; resume with the same dataset, batch "
@@ -399,7 +428,7 @@ class Model:
             self._broadcast_parameters()
 
         cb_params = CallbackParam(
-            train_network=self._network, network=self._network, optimizer=self._optimizer, loss_fn=self._loss_fn,
+            train_network=self._network, network=self._network, optimizer=optimizer, loss_fn=self._loss_fn,
             train_dataset=dataset, valid_dataset=valid_dataset, epoch_num=epoch, batch_num=batch_num,
             cur_epoch_num=start_epoch, cur_step_num=global_step, cur_step_in_epoch=skip, net_outputs=None,
             dataset_sink_mode=dataset_sink_mode, mode="train", list_callback=cbs, metrics=None, eval_results=None)

@@ -1,4 +1,8 @@
-"""nn.WithLossCell: MindSpore's backbone + loss wrapper trains as Model(net, loss_fn, opt) does."""
+"""nn.WithLossCell and nn.TrainOneStepCell, MindSpore's training wrappers: WithLossCell trains as
+Model(net, loss_fn, opt) does; one call of TrainOneStepCell is value_and_grad then the optimizer,
+bit for bit, and under minidl_parallel's DATA_PARALLEL it reduces the gradients by itself."""
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -66,3 +70,325 @@ def test_the_wrapper_keeps_the_backbones_names_and_computes_its_loss():
         nn.WithLossCell(net, "cross_entropy")
     with pytest.raises(TypeError, match="WithLossCell: backbone must be a Cell or a callable, got NoneType"):
         nn.WithLossCell(None, loss)
+
+
+# ---- TrainOneStepCell ------------------------------------------------------------------------------
+
+
+def _net_and_step(seed=3, optimizer=momentum, **step_args):
+    """A fresh MLP (the same initial parameters for the same seed) and its TrainOneStepCell."""
+    minidl.set_seed(seed)
+    net = mlp()
+    opt = optimizer(net)
+    return net, nn.TrainOneStepCell(nn.WithLossCell(net, ce_loss()), opt, **step_args)
+
+
+def _manual_steps(xs, ys, seed=3, optimizer=momentum):
+    """value_and_grad + optimizer on the same net and batches: (losses, gradients of the last step, parameters)."""
+    minidl.set_seed(seed)
+    net = mlp()
+    opt = optimizer(net)
+    net.set_train()
+    grad_fn = minidl.value_and_grad(nn.WithLossCell(net, ce_loss()), None, opt.parameters)
+    losses, grads = [], ()
+    for x, y in zip(xs, ys):
+        loss, grads = grad_fn(minidl.Tensor(x), minidl.Tensor(y))
+        opt(grads)
+        losses.append(loss.asnumpy())
+    return losses, [g.asnumpy() for g in grads], {p.name: p.asnumpy() for p in net.trainable_params()}
+
+
+def _batches(k, batch, seed=0):
+    x, y = blobs(n=k * batch, seed=seed)
+    return x.reshape(k, batch, 4), y.reshape(k, batch)
+
+
+def _cell_steps(step, xs, ys):
+    step.set_train()
+    return [step(minidl.Tensor(x), minidl.Tensor(y)) for x, y in zip(xs, ys)]
+
+
+@contextlib.contextmanager
+def _mode(mode):
+    before = minidl.get_context("mode")
+    minidl.set_context(mode=mode)
+    try:
+        yield
+    finally:
+        minidl.set_context(mode=before)
+
+
+@pytest.mark.parametrize("mode", [None, "GRAPH_MODE"])
+def test_a_step_is_value_and_grad_then_the_optimizer_bit_for_bit(mode):
+    xs, ys = _batches(k=4, batch=8)
+    with _mode(getattr(minidl, mode)) if mode else contextlib.nullcontext():
+        want_losses, _, want = _manual_steps(xs, ys)
+        net, step = _net_and_step()
+        losses = _cell_steps(step, xs, ys)
+    assert [float(l.asnumpy()) for l in losses] == [float(l) for l in want_losses]
+    assert not losses[-1].requires_grad  # the loss comes back detached
+    first = _manual_steps(xs[:0], ys[:0])[2]  # no step: the initial parameters
+    assert any(not np.array_equal(want[name], first[name]) for name in want)  # it trained
+    for p in net.trainable_params():
+        np.testing.assert_array_equal(p.asnumpy(), want[p.name], err_msg=p.name)
+
+
+def test_return_grad_gives_the_loss_and_the_gradients_by_parameter_name():
+    xs, ys = _batches(k=1, batch=8)
+    want_losses, want_grads, _ = _manual_steps(xs, ys)
+    net, step = _net_and_step(return_grad=True)
+    loss, grads = _cell_steps(step, xs, ys)[0]
+    assert float(loss.asnumpy()) == float(want_losses[0])
+    assert list(grads) == [p.name for p in net.trainable_params()] == step.weights_name
+    for got, want in zip(grads.values(), want_grads):
+        np.testing.assert_array_equal(got.asnumpy(), want)
+
+
+def _sgd(lr):
+    return lambda net: nn.SGD(net.trainable_params(), learning_rate=lr)
+
+
+def test_sens_starts_backward_from_sens_so_the_gradients_are_sens_times_the_losss():
+    xs, ys = _batches(k=1, batch=8)
+    _, step1 = _net_and_step(optimizer=_sgd(0.1), return_grad=True)
+    net2, step2 = _net_and_step(optimizer=_sgd(0.1), sens=2.0, return_grad=True)
+    loss1, grads1 = _cell_steps(step1, xs, ys)[0]
+    loss2, grads2 = _cell_steps(step2, xs, ys)[0]
+    assert float(loss2.asnumpy()) == float(loss1.asnumpy())  # the loss itself is not scaled
+    for name in grads1:
+        np.testing.assert_array_equal(grads2[name].asnumpy(), 2 * grads1[name].asnumpy(), err_msg=name)
+    # Plain SGD shows it in the update: lr with sens 2 moves as 2 * lr with sens 1 (scaling by 2 is exact).
+    _, _, twice_lr = _manual_steps(xs, ys, optimizer=_sgd(0.2))
+    _, _, once_lr = _manual_steps(xs, ys, optimizer=_sgd(0.1))
+    for p in net2.trainable_params():
+        np.testing.assert_array_equal(p.asnumpy(), twice_lr[p.name], err_msg=p.name)
+        assert not np.array_equal(p.asnumpy(), once_lr[p.name])
+
+
+def test_the_step_cell_has_mindsporess_attributes():
+    net, step = _net_and_step()
+    assert step.network.backbone_network is net and step.weights is step.optimizer.parameters
+    assert (step.sens, step.sense_flag, step.return_grad) == (1.0, False, False)
+    assert nn.TrainOneStepCell(step.network, step.optimizer, sens=-0.5).sens == -0.5
+    assert step.weights_name == [p.name for p in net.trainable_params()]
+    assert [p.name for p in step.trainable_params()] == step.weights_name  # no prefix added
+    assert step.reducer_flag is False  # one device: no reducer, the gradients pass unchanged
+    grads = (minidl.Tensor(np.ones(2, np.float32)),)
+    assert step.grad_reducer(grads) is grads
+    assert not step.training and not net.training  # as MindSpore: set_train() is the caller's (Model does it)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"sens": 0}, ValueError, "sens must not be 0"),
+    ({"sens": "2"}, TypeError, "sens must be a number .* got str '2'"),
+    ({"sens": True}, TypeError, "sens must be a number .* got bool True"),
+    ({"sens": float("inf")}, ValueError, "sens must be finite, got inf"),
+    ({"return_grad": "yes"}, TypeError, "return_grad must be a bool, got 'yes'"),
+    ({"network": None}, TypeError, "network must be a Cell returning the loss .* got NoneType"),
+    ({"optimizer": None}, TypeError, "optimizer must be an Optimizer .* got NoneType"),
+])
+def test_bad_arguments_raise_naming_the_argument(kwargs, error, message):
+    net = mlp()
+    args = {"network": nn.WithLossCell(net, ce_loss()), "optimizer": momentum(net), **kwargs}
+    with pytest.raises(error, match=message):
+        nn.TrainOneStepCell(args.pop("network"), args.pop("optimizer"), **args)
+
+
+def test_a_network_that_does_not_return_the_loss_raises():
+    net = mlp()
+    step = nn.TrainOneStepCell(net, momentum(net))  # the backbone: its output is the logits
+    x, _ = blobs(n=8)
+    with pytest.raises(ValueError, match=r"the network must return the loss as a one-element Tensor, got shape "
+                                         r"\(8, 3\); wrap the backbone with nn.WithLossCell"):
+        step(minidl.Tensor(x))
+
+
+def test_model_trains_a_step_cell_given_no_loss_fn_or_optimizer_as_mindspore():
+    x, y = blobs(n=24)
+    ds = lambda: slices((x, y), ["x", "y"], 8)
+    want = _trained(False)  # Model(net, loss_fn, Momentum), 2 epochs
+    net, step = _net_and_step()
+    model = Model(step)
+    model.train(2, ds())
+    assert model.grad_reducer is None  # the step cell reduces, not the Model
+    for p in net.trainable_params():
+        np.testing.assert_array_equal(p.asnumpy(), want[p.name], err_msg=p.name)
+    with pytest.raises(ValueError, match=r"an optimizer is needed to train; pass optimizer= to Model, or a "
+                                         r"training-step network \(nn.TrainOneStepCell"):
+        Model(nn.WithLossCell(mlp(), ce_loss())).train(1, ds())
+
+
+def test_model_of_a_step_cell_checkpoints_and_resumes_the_optimizer_state_bit_identically(tmp_path):
+    from minidl.train import Callback, ModelCheckpoint, latest_checkpoint
+
+    class StopAt(Callback):
+        def on_train_step_end(self, run_context):
+            if run_context.original_args().cur_step_num >= 2:
+                run_context.request_stop()
+
+    x, y = blobs(n=24)
+    ds = lambda: slices((x, y), ["x", "y"], 8)
+    net, step = _net_and_step()
+    Model(step).train(2, ds())
+    want = {p.name: p.asnumpy().copy() for p in net.trainable_params()}
+    want.update({name: v.asnumpy().copy() for name, v in step.optimizer.state_dict().items()})
+
+    _, step = _net_and_step()
+    Model(step).train(2, ds(), callbacks=[ModelCheckpoint("step", str(tmp_path)), StopAt()])
+    net, step = _net_and_step()
+    Model(step).train(2, ds(), resume_from=latest_checkpoint(str(tmp_path), "step"))
+    got = {p.name: p.asnumpy() for p in net.trainable_params()}
+    got.update({name: v.asnumpy() for name, v in step.optimizer.state_dict().items()})
+    assert got.keys() == want.keys() and any(name.startswith("moments.") for name in got)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+# ---- under minidl_parallel's data parallelism ----------------------------------------------------------
+
+# float32 MLP, gradients_mean: each rank's gradient is the mean over its half of the batch, and the
+# all-reduce averages the halves, where one device averages the whole batch at once: the same sum in
+# another order, a few float32 roundings (2^-24 ~ 6e-8 relative each) per gradient element. After 3
+# Momentum steps at lr 0.05 the parameters differed by 6e-8 relative (7e-9 absolute) when measured;
+# the bounds leave a 15x margin, and a run without the reducer (each rank on its own half) differs
+# by 0.1.
+DP_RTOL, DP_ATOL = 1e-6, 1e-7
+
+
+def _data_parallel(n, k, per_rank, body):
+    """body(rank's xs, rank's ys) on n thread-ranks, DATA_PARALLEL with gradients_mean set in
+    each rank after body builds its cell (so the cell must ask when it steps); rank results."""
+    import minidl_parallel as mp
+    xs, ys = _batches(k, n * per_rank)
+
+    def rank_body():
+        r = mp.get_rank()
+        part = slice(r * per_rank, (r + 1) * per_rank)
+        set_mode = lambda: mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL,
+                                                        gradients_mean=True)
+        return body(xs[:, part], ys[:, part], set_mode)
+    return xs, ys, mp.run_threads(n, rank_body)
+
+
+def test_data_parallel_step_cells_equal_one_device_on_the_global_batch_with_no_reducer_in_user_code():
+    def body(xs, ys, set_mode):
+        net, step = _net_and_step()
+        set_mode()  # after the cell was built: it asks the runtime at its first step
+        _cell_steps(step, xs, ys)
+        return type(step.grad_reducer).__name__, {p.name: p.asnumpy() for p in net.trainable_params()}
+
+    def alone(xs, ys, set_mode):  # no mode set: the ranks train on their halves, unreduced
+        net, step = _net_and_step()
+        _cell_steps(step, xs, ys)
+        return step.reducer_flag, {p.name: p.asnumpy() for p in net.trainable_params()}
+
+    xs, ys, ranks = _data_parallel(n=2, k=3, per_rank=4, body=body)
+    _, _, want = _manual_steps(xs, ys)
+    for reducer, got in ranks:
+        assert reducer == "DistributedGradReducer"
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=DP_RTOL, atol=DP_ATOL, err_msg=name)
+    reduced, unreduced = _data_parallel(n=2, k=3, per_rank=4, body=alone)[2][0]
+    assert reduced is False
+    assert any(not np.allclose(unreduced[name], want[name], rtol=1e-3) for name in want)
+
+
+def test_data_parallel_model_of_a_step_cell_equals_one_device_on_the_global_batch():
+    import minidl_parallel as mp
+
+    def body(xs, ys, set_mode):
+        set_mode()
+        net, step = _net_and_step()
+        ds = slices((xs.reshape(-1, 4), ys.reshape(-1)), ["x", "y"], xs.shape[1])
+        Model(step).train(1, ds, progress=False)
+        return {p.name: p.asnumpy() for p in net.trainable_params()}
+
+    xs, ys, ranks = _data_parallel(n=2, k=3, per_rank=4, body=body)
+    _, _, want = _manual_steps(xs, ys)
+    for got in ranks:
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=DP_RTOL, atol=DP_ATOL, err_msg=name)
+    assert not mp.is_initialized()  # run_threads released the world
+
+
+def test_the_step_cell_keeps_its_reducer_across_steps_so_accumulation_works():
+    """grad_accumulation_step=2: the first call only accumulates (no update, grads None), the
+    second reduces the sum and updates; a reducer asked anew every step would never update."""
+    import minidl_parallel as mp
+
+    def body(xs, ys, set_mode):
+        set_mode()
+        mp.set_auto_parallel_context(grad_accumulation_step=2)
+        net, step = _net_and_step(return_grad=True)
+        step.set_train()
+        before = [p.asnumpy().copy() for p in net.trainable_params()]
+        _, first = step(minidl.Tensor(xs[0]), minidl.Tensor(ys[0]))
+        unchanged = all(np.array_equal(b, p.asnumpy()) for b, p in zip(before, net.trainable_params()))
+        _, second = step(minidl.Tensor(xs[1]), minidl.Tensor(ys[1]))
+        moved = all(not np.array_equal(b, p.asnumpy()) for b, p in zip(before, net.trainable_params()))
+        return first, unchanged, sorted(second), moved
+
+    for first, unchanged, second, moved in _data_parallel(n=2, k=2, per_rank=4, body=body)[2]:
+        assert first is None and unchanged
+        assert second == ["0.bias", "0.weight", "2.bias", "2.weight"] and moved
+
+
+def test_parameter_broadcast_gives_every_rank_rank_0s_start_at_the_first_step():
+    import minidl_parallel as mp
+
+    def body(xs, ys, set_mode):
+        set_mode()
+        mp.set_auto_parallel_context(parameter_broadcast=True)
+        net, step = _net_and_step(seed=3 + mp.get_rank())  # the ranks start apart
+        _cell_steps(step, xs, ys)
+        return {p.name: p.asnumpy() for p in net.trainable_params()}
+
+    xs, ys, ranks = _data_parallel(n=2, k=2, per_rank=4, body=body)
+    _, _, want = _manual_steps(xs, ys, seed=3)  # rank 0's start, on the global batch
+    for got in ranks:
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=DP_RTOL, atol=DP_ATOL, err_msg=name)
+
+
+def test_semi_auto_parallel_step_cells_equal_one_device_with_no_reducer():
+    """Tensor parallelism: the ops communicate themselves, so the runtime gives the step cell no
+    reducer; a sharded MatMul trained by Model(step cell) on 2 ranks equals one device (float64:
+    the only difference is the order of a two-block sum, 1e-12 relative)."""
+    import minidl_parallel as mp
+    from minidl import ops
+    from minidl_parallel.tensor_parallel.dispatch import full_value
+
+    class Linear(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            rng = np.random.default_rng(4)
+            self.weight = minidl.Parameter(minidl.Tensor(rng.standard_normal((6, 3)) / 3))
+            self.matmul = ops.MatMul()
+
+        def construct(self, x):
+            return self.matmul(x, self.weight)
+
+    rng = np.random.default_rng(5)
+    x, y = rng.standard_normal((8, 6)), rng.standard_normal((8, 3))
+
+    def train(shard):
+        net = Linear()
+        if shard:
+            net.matmul.shard(((1, 2), (2, 1)))
+        step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.Momentum(net.trainable_params(), 0.1, 0.9))
+        Model(step).train(1, NumpySlicesDataset({"x": x, "y": y}, shuffle=False).batch(4))
+        return step.reducer_flag, np.array(minidl.backend.to_numpy(full_value(net.weight) if shard else net.weight.data))
+
+    want = train(shard=False)[1]
+
+    def rank_body():
+        mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.SEMI_AUTO_PARALLEL, dataset_strategy="full_batch")
+        try:
+            return train(shard=True)
+        finally:
+            mp.reset_auto_parallel_context()
+
+    for reduced, got in mp.run_threads(2, rank_body):
+        assert reduced is False
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+    assert not np.allclose(want, Linear().weight.asnumpy())  # it trained

@@ -16,6 +16,7 @@ from . import nn
 from . import dataset
 from .io import save_checkpoint, load_checkpoint, load_param_into_net, load_checkpoint_metadata
 from . import train
+from . import amp
 from .train import Model
 from . import graph_mode  # noqa: F401  (installs GRAPH_MODE's layer when that mode is set)
 

@@ -26,10 +26,16 @@ class ParallelMode:
     MODES = (STAND_ALONE, DATA_PARALLEL, SEMI_AUTO_PARALLEL, AUTO_PARALLEL)
 
 
+# MindSpore 2.10's strategy_ckpt_config and its defaults. Settings hold one such dict, replaced,
+# never changed in place, so the copies that init() and reset make may share it.
+STRATEGY_CKPT_DEFAULTS = {"load_file": "", "save_file": "", "only_trainable_params": True}
 _DEFAULTS = {"parallel_mode": ParallelMode.STAND_ALONE, "gradients_mean": False, "parameter_broadcast": False,
              "device_num": None, "global_rank": None, "dataset_strategy": "data_parallel",
              "search_mode": "sharding_propagation", "grad_accumulation_step": 1, "gradient_compression": None,
-             "gradient_predivide_factor": 1.0}
+             "gradient_predivide_factor": 1.0, "strategy_ckpt_config": STRATEGY_CKPT_DEFAULTS}
+# MindSpore's older keys: each reads and writes one entry of strategy_ckpt_config, as in MindSpore,
+# where both spellings set the same value.
+_STRATEGY_CKPT_ALIASES = {"strategy_ckpt_load_file": "load_file", "strategy_ckpt_save_file": "save_file"}
 DATASET_STRATEGIES = ("data_parallel", "full_batch")
 SEARCH_MODES = ("sharding_propagation",)
 
@@ -72,9 +78,43 @@ def _check_setting(key, value):
             raise ValueError(f"set_auto_parallel_context: global_rank must be None or an int >= 0, got {value!r}")
 
 
+def _check_path(value, who):
+    """A strategy file's path: a str (MindSpore's type) or an os.PathLike; "" means none."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{who} must be a str (a file path, or '' for none), got {type(value).__name__} {value!r}")
+    return value
+
+
+def _strategy_ckpt_update(key, value):
+    """The entries of strategy_ckpt_config that ``key=value`` sets, checked (MindSpore's rules)."""
+    who = "set_auto_parallel_context"
+    if key in _STRATEGY_CKPT_ALIASES:
+        return {_STRATEGY_CKPT_ALIASES[key]: _check_path(value, f"{who}: {key}")}
+    if not isinstance(value, dict):
+        raise TypeError(f"{who}: strategy_ckpt_config must be a dict with keys from {tuple(STRATEGY_CKPT_DEFAULTS)}, "
+                        f"got {type(value).__name__} {value!r}")
+    unknown = [k for k in value if k not in STRATEGY_CKPT_DEFAULTS]
+    if unknown:
+        raise ValueError(f"{who}: strategy_ckpt_config has unknown key(s) {unknown}; valid keys are "
+                         f"{tuple(STRATEGY_CKPT_DEFAULTS)}")
+    update = {}
+    for name, entry in value.items():
+        if name == "only_trainable_params":
+            if not isinstance(entry, bool):
+                raise TypeError(f"{who}: strategy_ckpt_config['only_trainable_params'] must be True or False, "
+                                f"got {entry!r}")
+            update[name] = entry
+        else:
+            update[name] = _check_path(entry, f"{who}: strategy_ckpt_config[{name!r}]")
+    return update
+
+
 def _check_key(key, who):
-    if key not in _DEFAULTS:
-        raise ValueError(f"{who}: unknown key {key!r}; valid keys are {tuple(_DEFAULTS)}")
+    if key not in _DEFAULTS and key not in _STRATEGY_CKPT_ALIASES:
+        valid = tuple(_DEFAULTS) + tuple(_STRATEGY_CKPT_ALIASES)
+        raise ValueError(f"{who}: unknown key {key!r}; valid keys are {valid}")
 
 
 class World:
@@ -143,8 +183,9 @@ def get_local_rank_size():
 
 def set_auto_parallel_context(**kwargs):
     """Sets parallel_mode, gradients_mean, parameter_broadcast, device_num, global_rank,
-    dataset_strategy, search_mode, grad_accumulation_step, gradient_compression and/or
-    gradient_predivide_factor.
+    dataset_strategy, search_mode, grad_accumulation_step, gradient_compression,
+    gradient_predivide_factor and/or strategy_ckpt_config (strategy_ckpt_save_file,
+    strategy_ckpt_load_file).
 
     The last three configure DATA_PARALLEL's gradient reducer (Model.train's): reduce once per
     ``grad_accumulation_step`` steps (MindSpore's name; the steps in between only accumulate,
@@ -160,6 +201,13 @@ SEMI_AUTO_PARALLEL and AUTO_PARALLEL turn on operator-level tensor parallelism (
     whole batch on every rank, and the framework slices it, as MindSpore does.
     ``search_mode`` "sharding_propagation" (AUTO: ops without a strategy follow their inputs).
 
+    ``strategy_ckpt_config`` (MindSpore's dict: "save_file", "load_file" and
+    "only_trainable_params", defaults "", "" and True; keys not given keep their value) and the
+    older ``strategy_ckpt_save_file`` / ``strategy_ckpt_load_file`` (the same two entries) save
+    the tensor-parallel plan as a JSON file at a network's first call, or load one: operators
+    without ``shard()`` take the file's strategy, and a parameter whose layout then differs from
+    the file's raises (minidl_parallel/tensor_parallel/strategy_file.py).
+
     Settings are read when they are used (each op call, each ``Model.train``), so they may be
     set before or after ``init()`` and after a Model was built. Datasets are never sharded
     implicitly.
@@ -167,16 +215,27 @@ SEMI_AUTO_PARALLEL and AUTO_PARALLEL turn on operator-level tensor parallelism (
     Example:
         >>> set_auto_parallel_context(parallel_mode=ParallelMode.DATA_PARALLEL, gradients_mean=True)
     """
+    settings = {}
+    strategy_ckpt = dict(current_world().settings["strategy_ckpt_config"])
     for key, value in kwargs.items():
         _check_key(key, "set_auto_parallel_context")
-        _check_setting(key, value)
-    current_world().settings.update(kwargs)
+        if key == "strategy_ckpt_config" or key in _STRATEGY_CKPT_ALIASES:
+            strategy_ckpt.update(_strategy_ckpt_update(key, value))  # only the entries given change
+            settings["strategy_ckpt_config"] = strategy_ckpt
+        else:
+            _check_setting(key, value)
+            settings[key] = value
+    current_world().settings.update(settings)  # all checked first: a bad value changes nothing
 
 
 def get_auto_parallel_context(key):
     """One auto-parallel setting; device_num and global_rank default to the world's size and rank."""
     _check_key(key, "get_auto_parallel_context")
+    if key in _STRATEGY_CKPT_ALIASES:
+        return current_world().settings["strategy_ckpt_config"][_STRATEGY_CKPT_ALIASES[key]]
     value = current_world().settings[key]
+    if key == "strategy_ckpt_config":
+        return dict(value)  # a copy: changing it must not change the setting
     if value is None and key == "device_num":
         return get_group_size()
     if value is None and key == "global_rank":

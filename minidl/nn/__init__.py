@@ -7,6 +7,7 @@
 """
 from .cell import Cell, SequentialCell, CellList
 from .wrappers import WithLossCell, TrainOneStepCell
+from .loss_scale_cells import TrainOneStepWithLossScaleCell, DynamicLossScaleUpdateCell, FixedLossScaleUpdateCell
 from .layers import (ReLU, Sigmoid, Tanh, Softmax, LogSoftmax, get_activation, Dense, Flatten, Dropout,
                      Identity, Conv2d, BatchNorm1d, BatchNorm2d, MaxPool2d, AvgPool2d)
 from .layers.attention import MultiheadAttention
@@ -30,4 +31,5 @@ __all__ += ["MultiheadAttention"]
 __all__ += ["GELU", "LeakyReLU", "SiLU", "LayerNorm", "GroupNorm", "Embedding", "NLLLoss"]
 __all__ += ["Adam", "AdamWeightDecay", "LARS"]
 __all__ += ["Conv2dTranspose"]
-__all__ += ["WithLossCell", "TrainOneStepCell"]
+__all__ += ["WithLossCell", "TrainOneStepCell", "TrainOneStepWithLossScaleCell", "DynamicLossScaleUpdateCell",
+            "FixedLossScaleUpdateCell"]

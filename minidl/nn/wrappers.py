@@ -203,27 +203,35 @@ class TrainOneStepCell(Cell):
         loss = self._loss_of(self.network(*inputs))
         return loss * self.sens, loss
 
-    def _gradients(self, inputs, reducer):
+    def _gradients(self, inputs, reducer, scaled_forward=None, unscale=None):
         """(loss, reduced gradients or None): backward, with the reducer fed gradient by gradient
-        when it can overlap (``ready``/``finish``, as Model.train does), else called once after."""
-        forward = self._scaled_forward if self.sense_flag else self._forward
+        when it can overlap (``ready``/``finish``, as Model.train does), else called once after.
+
+        ``scaled_forward`` (returning (scaled loss, loss)) replaces the sens path, and ``unscale``
+        (array -> array) is applied to each gradient before the reducer sees it (the loss-scale step).
+        """
+        with_aux = self.sense_flag or scaled_forward is not None
+        forward = scaled_forward or (self._scaled_forward if self.sense_flag else self._forward)
+        prepare = unscale or (lambda grad: grad)
         overlaps = callable(getattr(reducer, "ready", None)) and callable(getattr(reducer, "finish", None))
         fired = []
 
         def on_grad_ready(index, grad):
             fired.append(index)
-            reducer.ready(index, grad)
+            reducer.ready(index, None if grad is None else prepare(grad))
 
-        grad_fn = value_and_grad(forward, None, self.weights, has_aux=self.sense_flag,
+        grad_fn = value_and_grad(forward, None, self.weights, has_aux=with_aux,
                                  on_grad_ready=on_grad_ready if overlaps else None)
         value, grads = grad_fn(*inputs)
-        loss = value[1] if self.sense_flag else value
+        loss = value[1] if with_aux else value
         if overlaps:
             # A loss that reaches no parameter fires nothing: reduce the (zero) gradients as a
             # whole so every rank still runs the same collectives.
-            grads = reducer.finish() if fired else reducer(grads)
-        elif reducer is not None:
-            grads = reducer(grads)
+            grads = reducer.finish() if fired else reducer(tuple(map(prepare, grads)))
+        else:
+            grads = tuple(map(prepare, grads)) if unscale is not None else grads
+            if reducer is not None:
+                grads = reducer(grads)
         return loss.detach(), grads
 
     def construct(self, *inputs):

@@ -8,6 +8,7 @@ or AUTO_PARALLEL.
 - rules/: per-operator sharding rules (strategy -> layouts), validation, propagation;
 - dispatch.py: the hooks that run every operator on this rank's blocks;
 - parameters.py: sharded Parameters, checkpoints and optimizer state;
+- strategy_file.py: the plan saved as a JSON strategy checkpoint, and loaded back;
 - explain.py, counter.py: seeing what happens.
 """
 from .layout import Layout

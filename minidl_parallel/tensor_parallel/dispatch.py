@@ -5,8 +5,8 @@ call and :func:`run_cell` for every Cell call while this rank runs SEMI_AUTO_PAR
 AUTO_PARALLEL. For each primitive call it:
 
 1. reads the layouts of the tensor arguments (tensors.py; untagged tensors are whole);
-2. takes the strategy: ``.shard()``'s, else AUTO's propagation from the inputs' layouts, else
-   SEMI_AUTO's data-parallel default;
+2. takes the strategy: ``.shard()``'s, else a loaded strategy file's (strategy_file.py), else
+   AUTO's propagation from the inputs' layouts, else SEMI_AUTO's data-parallel default;
 3. asks the op's rule (rules/) for the device matrix and the layouts it needs; a broken rule
    raises here, identically on every rank, before any communication;
 4. places Parameters at their first use (parameters.py) and redistributes every other input
@@ -17,7 +17,8 @@ AUTO_PARALLEL. For each primitive call it:
    keeps the invariant that a tensor's gradient has its layout without partial axes.
 
 The outermost Cell call tags its untagged inputs by ``dataset_strategy`` and reduces partial
-outputs, so a loss is whole, and equal, on every rank.
+outputs, so a loss is whole, and equal, on every rank. Its first call makes the plan, so a
+strategy checkpoint is read before it and checked and written after it (strategy_file.py).
 
 Before step 3 of a primitive's first call with a given signature, every rank compares the
 parallel context and the strategy it chose (one small ``allgather_object``, once per world
@@ -35,7 +36,7 @@ from minidl.tensor import Parameter, Tensor, is_grad_enabled
 from .. import context
 from ..agreement import describe_ranks, disagreement
 from ..collectives import AllGather, AllReduce, Broadcast, ReduceScatter
-from . import counter
+from . import counter, strategy_file
 from .explain import recording, saving_plan
 from .executor import GroupCache, Redistribute
 from .layout import Layout
@@ -118,9 +119,31 @@ def _who(prim):
     return f"{prim.name} ({path})" if path else prim.name
 
 
-def _choose_strategy(prim, rule, spec_args, specs, current, settings, device_num):
+def _given_strategy(prim, args):
+    """(strategy, origin) the user gave: ``shard()``'s, else a loaded strategy file's (MindSpore's
+    order: the file fills in operators without one), else (None, None).
+
+    The file is read at the network's first call; the strategy it gave an operator stays the
+    operator's (kept on the primitive, per first Parameter), as a MindSpore graph keeps the
+    strategies it was compiled with, so later steps cut nothing differently.
+    """
     if prim.in_strategy is not None:
         return prim.in_strategy, "shard"
+    first = next((id(a) for a in args if isinstance(a, Parameter)), None)
+    if first is None:
+        return None, None
+    kept = prim.__dict__.setdefault("_file_strategies", {})
+    session = strategy_file.active()
+    loaded = None if session is None else session.strategy_for(prim, args)
+    if loaded is not None:
+        kept[first] = loaded
+    loaded = kept.get(first)
+    return (loaded, "strategy file") if loaded is not None else (None, None)
+
+
+def _choose_strategy(prim, rule, spec_args, specs, current, settings, device_num, given):
+    if given[0] is not None:
+        return given
     if settings["parallel_mode"] == "auto_parallel":
         layouts = tuple(Layout.replicated(s.ndim, device_num) if cur is None else cur[0]
                         for s, cur in zip(specs, current))
@@ -162,13 +185,13 @@ def _agree_on_strategy(prim, comm, key, strategy, origin, specs, settings):
         agreed.add(key)
 
 
-def _decide(prim, rule, spec_args, specs, current, settings, device_num, comm):
+def _decide(prim, rule, spec_args, specs, current, settings, device_num, comm, given):
     """(strategy, origin, sharding) of a call, cached on the primitive per call signature.
 
     A network calls the same primitives with the same shapes and layouts every step, and
     rules are pure functions of those, so each decision is made once.
     """
-    key = (settings["parallel_mode"], prim.in_strategy, spec_args,
+    key = (settings["parallel_mode"], given, spec_args,
            tuple(None if c is None else c[0] for c in current), device_num)
     cache = prim.__dict__.setdefault("_sharding_cache", {})
     try:
@@ -176,7 +199,7 @@ def _decide(prim, rule, spec_args, specs, current, settings, device_num, comm):
     except TypeError:  # an unhashable argument (a list, an array): decide every time
         key, hit = None, None
     if hit is None:
-        strategy, origin = _choose_strategy(prim, rule, spec_args, specs, current, settings, device_num)
+        strategy, origin = _choose_strategy(prim, rule, spec_args, specs, current, settings, device_num, given)
         _agree_on_strategy(prim, comm, key, strategy, origin, specs, settings)  # before infer, which may raise
         try:
             hit = (strategy, origin, rule.infer(prim, spec_args, strategy, device_num))
@@ -213,13 +236,18 @@ def _run_sharded(prim, args, comm, settings, device_num):
     except NoRuleError as e:
         raise NoRuleError(f"{_who(prim)}: {e}") from None
     strategy = origin = None
+    given = _given_strategy(prim, args)
     try:
-        strategy, origin, sharding = _decide(prim, rule, spec_args, specs, current, settings, device_num, comm)
+        strategy, origin, sharding = _decide(prim, rule, spec_args, specs, current, settings, device_num, comm,
+                                             given)
     except StrategyError as e:
-        strategy, origin = getattr(e, "strategy", prim.in_strategy), getattr(e, "origin", None)
+        strategy, origin = getattr(e, "strategy", given[0]), getattr(e, "origin", given[1])
         shapes = ", ".join(str(s.shape) for s in specs)
         raise StrategyError(f"{_who(prim)}: inputs of shapes {shapes}, strategy {strategy} ({origin}), "
                             f"device_num {device_num}: {e}") from None
+    session = strategy_file.active()
+    if session is not None:
+        session.record(prim, args, strategy)
     record = recording()
     if isinstance(sharding, Decomposed):
         if record is not None:
@@ -326,8 +354,14 @@ def run_cell(cell, args, kwargs):
     st.depth += 1
     try:
         if outermost:
-            with saving_plan(cell, list(args) + list(kwargs.values()), comm.rank, settings):
+            # The plan is made during the first call (each operator's strategy, each parameter's
+            # layout at its first use): a strategy file is read before it and written after it.
+            session = strategy_file.begin(cell, comm, settings, device_num)
+            with strategy_file.running(session), saving_plan(cell, list(args) + list(kwargs.values()),
+                                                             comm.rank, settings):
                 out = _complete(cell.construct(*args, **kwargs), comm)
+            if session is not None:
+                session.finish()
         else:
             out = cell.construct(*args, **kwargs)
     finally:

@@ -392,3 +392,146 @@ def test_semi_auto_parallel_step_cells_equal_one_device_with_no_reducer():
         assert reduced is False
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
     assert not np.allclose(want, Linear().weight.asnumpy())  # it trained
+
+
+# ---- TrainOneStepWithLossScaleCell ---------------------------------------------------------------------
+
+
+def _loss_scale_step(scale_sense, seed=3, optimizer=momentum):
+    minidl.set_seed(seed)
+    net = mlp()
+    return net, nn.TrainOneStepWithLossScaleCell(nn.WithLossCell(net, ce_loss()), optimizer(net), scale_sense)
+
+
+def _overflowing(x):
+    """A batch of equal rows of 3e38: the hidden layer holds ~1e38, so with labels that are not all
+    the (equal) prediction, the scaled gradients of the second layer overflow float32 (inf/NaN)."""
+    return np.full_like(x, 3e38)
+
+
+def _params(net):
+    return {p.name: p.asnumpy().copy() for p in net.trainable_params()}
+
+
+@pytest.mark.parametrize("scale_sense", ["tensor", "dynamic"])
+def test_the_loss_scale_step_equals_train_one_step_bit_for_bit_without_overflow(scale_sense):
+    """float32, a power-of-2 scale: scaling every gradient by 2^k and back is exact, so the
+    losses and parameters equal TrainOneStepCell's bit for bit (a window of 2 doubles the
+    dynamic scale twice in 4 steps, so the scale changes between steps too)."""
+    from minidl import amp
+    xs, ys = _batches(k=4, batch=8)
+    net1, plain = _net_and_step()
+    want_losses = _cell_steps(plain, xs, ys)
+    sense = (minidl.Tensor(np.float32(2 ** 10)) if scale_sense == "tensor"
+             else amp.DynamicLossScaleManager(2 ** 10, 2, 2).get_update_cell())
+    net2, step = _loss_scale_step(sense)
+    results = _cell_steps(step, xs, ys)
+    assert [float(r[0].asnumpy()) for r in results] == [float(l.asnumpy()) for l in want_losses]
+    assert [bool(r[1].asnumpy()) for r in results] == [False] * 4
+    want_scales = [1024.0] * 4 if scale_sense == "tensor" else [1024.0, 1024.0, 2048.0, 2048.0]
+    assert [float(r[2].asnumpy()) for r in results] == want_scales  # the scale each step used
+    want = _params(net1)
+    for p in net2.trainable_params():
+        np.testing.assert_array_equal(p.asnumpy(), want[p.name], err_msg=p.name)
+    assert not any(np.array_equal(want[name], value) for name, value in _params(_net_and_step()[0]).items())
+
+
+def test_an_overflow_skips_the_step_and_halves_the_scale():
+    from minidl import amp
+    xs, ys = _batches(k=2, batch=8)
+    net, step = _loss_scale_step(amp.DynamicLossScaleManager(2 ** 10, 2, 2).get_update_cell())
+    step.set_train()
+    before = _params(net)
+    with np.errstate(over="ignore", invalid="ignore"):
+        loss, overflow, scale = step(minidl.Tensor(_overflowing(xs[0])), minidl.Tensor(np.arange(8, dtype=np.int32) % 3))
+    assert bool(overflow.asnumpy()) is True and overflow.dtype == np.bool_
+    assert float(scale.asnumpy()) == 1024.0 and float(step.scale_sense.asnumpy()) == 512.0
+    for name, value in _params(net).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)  # skipped: nothing moved
+    moments = {n: v.asnumpy() for n, v in step.optimizer.state_dict().items() if n.startswith("moments.")}
+    assert moments and not any(np.any(v) for v in moments.values())  # nor the momentum
+    _, overflow, scale = step(minidl.Tensor(xs[1]), minidl.Tensor(ys[1]))
+    assert bool(overflow.asnumpy()) is False and float(scale.asnumpy()) == 512.0
+    assert any(not np.array_equal(v, before[n]) for n, v in _params(net).items())  # a clean step trains
+
+
+def test_a_tensor_scale_with_no_update_cell_skips_without_changing_and_set_sense_scale_sets_it():
+    xs, ys = _batches(k=1, batch=8)
+    net, step = _loss_scale_step(minidl.Tensor(np.array([64.0], np.float32)))
+    step.set_train()
+    with np.errstate(over="ignore", invalid="ignore"):
+        _, overflow, scale = step(minidl.Tensor(_overflowing(xs[0])), minidl.Tensor(np.arange(8, dtype=np.int32) % 3))
+    assert bool(overflow.asnumpy()) and scale.asnumpy().tolist() == [64.0]
+    assert step.scale_sense.asnumpy().tolist() == [64.0] and step.scale_sense.name == "scale_sense"
+    step.set_sense_scale(minidl.Tensor(np.array([8.0], np.float32)))
+    assert step.scale_sense.asnumpy().tolist() == [8.0]
+    assert [p.name for p in step.trainable_params()] == step.weights_name  # the scale is not trained
+    with pytest.raises(TypeError, match="the type of 'sens' must be Tensor, but got float"):
+        step.set_sense_scale(8.0)
+
+
+@pytest.mark.parametrize("scale_sense, error, message", [
+    (minidl.Tensor(np.ones((2,), np.float32)), ValueError, r"the shape of 'scale_sense' must be \(1,\) or \(\), but got \(2,\)"),
+    (1024.0, TypeError, r"the 'scale_sense' must be Cell or Tensor, but got 'scale_sense' type: float"),
+    (nn.ReLU(), TypeError, r"a Cell 'scale_sense' must have get_loss_scale\(\)"),
+])
+def test_bad_scale_sense_raises_as_mindspore(scale_sense, error, message):
+    with pytest.raises(error, match=message):
+        _loss_scale_step(scale_sense)
+
+
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_data_parallel_an_overflow_on_one_rank_skips_the_step_on_both(compression):
+    """n = 2 thread-ranks, DATA_PARALLEL: rank 1's input overflows; both ranks skip the step,
+    halve the scale, keep their parameters equal, and train equally on the next step."""
+    import minidl_parallel as mp
+    from minidl import amp
+
+    def body(xs, ys, set_mode):
+        set_mode()
+        mp.set_auto_parallel_context(gradient_compression=compression)
+        net, step = _loss_scale_step(amp.DynamicLossScaleManager(2 ** 8, 2, 100).get_update_cell())
+        step.set_train()
+        before = _params(net)
+        x0, y0 = (_overflowing(xs[0]) if mp.get_rank() == 1 else xs[0]), np.arange(len(ys[0]), dtype=np.int32) % 3
+        with np.errstate(over="ignore", invalid="ignore"):
+            _, overflow, _ = step(minidl.Tensor(x0), minidl.Tensor(y0))
+        skipped = all(np.array_equal(v, before[n]) for n, v in _params(net).items())
+        _, clean, _ = step(minidl.Tensor(xs[1]), minidl.Tensor(ys[1]))
+        return bool(overflow.asnumpy()), skipped, float(step.scale_sense.asnumpy()), bool(clean.asnumpy()), _params(net)
+
+    ranks = _data_parallel(n=2, k=2, per_rank=4, body=body)[2]
+    for overflow, skipped, scale, clean, _ in ranks:
+        assert (overflow, skipped, scale, clean) == (True, True, 128.0, False)
+    for name, value in ranks[0][4].items():
+        np.testing.assert_array_equal(ranks[1][4][name], value, err_msg=name)
+        assert not np.array_equal(value, _params(_net_and_step()[0])[name])  # the second step trained
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16", pytest.param("bf16", marks=pytest.mark.cpu_only)])  # (CuPy has no bf16)
+def test_the_gradient_all_reduce_alone_carries_one_ranks_inf_to_every_rank(compression):
+    """Why the ranks would agree even without the explicit flag sum: inf + x = inf and NaN + x
+    = NaN in the sum of every bucket, compressed or not."""
+    import minidl_parallel as mp
+
+    def rank_body():
+        p = minidl.Parameter(np.zeros(4, np.float32), name="w")
+        reducer = mp.DistributedGradReducer([p], mean=True, compression=compression)
+        g = np.array([1.0, 2.0, np.inf if mp.get_rank() == 1 else 3.0, np.nan if mp.get_rank() == 0 else 4.0],
+                     np.float32)
+        return reducer((minidl.Tensor(g),))[0].asnumpy()
+
+    for got in mp.run_threads(2, rank_body):
+        assert got[:2].tolist() == [1.0, 2.0] and np.isinf(got[2]) and np.isnan(got[3])
+
+
+def test_model_trains_a_loss_scale_step_cell_as_the_plain_step_cell():
+    from minidl import amp
+    x, y = blobs(n=24)
+    ds = lambda: slices((x, y), ["x", "y"], 8)
+    want = _trained(False)  # Model(net, loss_fn, Momentum), 2 epochs of 3 steps
+    net, step = _loss_scale_step(amp.DynamicLossScaleManager(2 ** 10, 2, 2).get_update_cell())
+    Model(step).train(2, ds())
+    for p in net.trainable_params():
+        np.testing.assert_array_equal(p.asnumpy(), want[p.name], err_msg=p.name)
+    assert float(step.scale_sense.asnumpy()) == 2 ** 13  # doubled after steps 2, 4 and 6

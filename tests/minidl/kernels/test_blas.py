@@ -28,7 +28,7 @@ def wheel_installed(name):
 @pytest.fixture
 def fresh_blas(monkeypatch):
     """blas.py as in a new process: no library loaded yet (the process's own loads are restored after)."""
-    for cache in ("_found", "_set_local", "_counts", "_blas_int", "_compiled"):
+    for cache in ("_found", "_set_local", "_counts", "_blas_int", "_compiled", "_blocktime", "_refused"):
         monkeypatch.setattr(blas, cache, {})
     return blas
 
@@ -114,6 +114,9 @@ kernels.set_option("blas_compiled", sys.argv[1] == "compiled")
 a = np.ones((512, 512), np.float32)
 out = np.empty_like(a)
 time.sleep(0.3)  # the load's check against numpy.matmul leaves NumPy's OpenBLAS thread spinning ~0.1 s
+# MKL may run a GEMM on fewer threads than asked when the machine is busy (MKL_DYNAMIC): no team,
+# nothing to see. This test process turns that off for itself.
+ctypes.CDLL(os.path.basename(blas._mkl_paths()[0]), mode=os.RTLD_NOLOAD).MKL_Set_Dynamic(0)
 assert blas.matmul(a, a, out, threads=2)
 cpu = time.process_time()
 time.sleep(0.5)
@@ -173,6 +176,55 @@ def test_a_fresh_load_binds_both_gemms_that_compute_the_product(fresh_blas, name
     finally:
         kernels.set_option("blas", previous)
         kernels.set_option("blas_compiled", None)
+
+
+@pytest.mark.skipif(not wheel_installed("mkl"), reason="needs the mkl extra: pip install -e '.[mkl]'")
+def test_a_fresh_mkl_load_keeps_its_global_count_one_and_sets_threads_and_blocktime_per_call(
+        fresh_blas, ctypes_route, monkeypatch):
+    """MKL's global count stays 1 (a call from an intra-op thread starts no team); a threaded call
+    runs with its thread count and the wanted blocktime set in the calling thread, both given
+    back after it."""
+    if not fresh_blas.load("mkl"):
+        pytest.skip(f"MKL refused here: {fresh_blas._refused.get('mkl')}")
+    assert fresh_blas.num_threads("mkl") == 1
+    get, _, wanted = fresh_blas._blocktime["mkl"]
+    assert wanted == fresh_blas.blocktime_ms()
+    seen = {}
+    real = fresh_blas._found["mkl"]["f"]
+
+    def spy(*args):
+        seen.update(threads=fresh_blas.num_threads("mkl"), blocktime=get())
+        return real(*args)
+    monkeypatch.setitem(fresh_blas._found["mkl"], "f", spy)
+    previous = kernels.get_option("blas")
+    kernels.set_option("blas", "mkl")
+    try:
+        own = get()
+        a = np.ones((8, 8), np.float32)
+        out = np.empty_like(a)
+        assert fresh_blas.matmul(a, a, out, threads=2) and np.all(out == 8.0)
+        assert seen == {"threads": 2, "blocktime": wanted} and wanted != own
+        assert get() == own and fresh_blas.num_threads("mkl") == 1
+        assert fresh_blas.matmul(a, a, out, threads=1)  # one thread: neither is touched
+        assert seen == {"threads": 1, "blocktime": own}
+    finally:
+        kernels.set_option("blas", previous)
+
+
+@pytest.mark.skipif(not wheel_installed("scipy-openblas64"), reason="needs the scipy-openblas64 wheel")
+def test_a_fresh_openblas_load_takes_minidls_count_or_one_inside_a_one_thread_block(fresh_blas):
+    from minidl.kernels.cpu import thread_count
+    if thread_count.get() == 1:
+        pytest.skip("one thread: the count and the one-thread block's 1 cannot be told apart")
+    assert fresh_blas.load("openblas")
+    assert fresh_blas.num_threads("openblas") == thread_count.get()
+    assert fresh_blas._blas_int["openblas"] is ctypes.c_int64
+    for cache in ("_found", "_counts", "_blas_int"):
+        getattr(fresh_blas, cache).clear()
+    with fresh_blas.one_thread():
+        assert fresh_blas.load("openblas")  # loaded while intra-op threads run chunks: 1 until they end
+        assert fresh_blas.num_threads("openblas") == 1
+    assert fresh_blas.num_threads("openblas") == thread_count.get()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -77,7 +77,7 @@ def test_bench_train_with_torch_refuses_what_it_cannot_measure(problem, message)
     assert out.returncode != 0 and message in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("change", [("--change", "none"), ("--change", "dense"), ("--option", "blas_compiled=False")])
+@pytest.mark.parametrize("change", [("--change", "none"), ("--change", "dense"), ("--option", "buffer_pool=False")])
 def test_bench_step_ab_prints_both_variants_and_their_ratio(change):
     text = run_script("bench_step_ab.py", *change, "--model", "mlp", "--mode", "graph", "--rounds", "1",
                       "--steps", "2", "--warmup", "1", "--threads", "1")

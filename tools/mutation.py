@@ -118,7 +118,7 @@ STALLED_MUTANT_S = 300
 # trampoline that Numba cannot compile. Each of these loops is held to its NumPy reference by the
 # kernel tests (tests/minidl/kernels), which is what a mutant there would fail.
 NOT_MUTATED = ["minidl/kernels/cpu/loss.py", "minidl/kernels/cpu/norm_loops.py", "minidl/kernels/cpu/dense_loops.py",
-               "minidl/kernels/cpu/updates_loops.py", "minidl/kernels/cpu/blas_compiled.py"]
+               "minidl/kernels/cpu/updates_loops.py"]
 
 
 def working_tree_files():

@@ -54,10 +54,6 @@ declare_option("blas", os.environ.get("MINIDL_BLAS") or None,
                "None: MKL when installed (pip install 'minidl[mkl]'), else that OpenBLAS (a dependency, "
                "scipy-openblas64); default: $MINIDL_BLAS")
 
-declare_option("blas_compiled", True,
-               "make matmul's BLAS call from Numba-compiled code (blas_compiled.py: the same call, without "
-               "ctypes' per-call Python) where Numba is installed; False: through ctypes")
-
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _MKL_INTEL_THREADS = 0  # MKL_Set_Threading_Layer's MKL_THREADING_INTEL (Intel OpenMP)
 _OPENBLAS_WHEEL = "scipy_openblas64"
@@ -68,9 +64,6 @@ _refused = {}  # library name -> why it was found but not used
 _set_local = {}  # library name -> its thread-local "n threads" setter (returns the previous setting)
 _blocktime = {}  # library name -> (get, set) of its OpenMP's blocktime of the calling thread, and the ms wanted
 _counts = {}  # library name -> (set process-wide count, get count) as ctypes functions
-_blas_int = {}  # library name -> its BLAS integer type (ctypes)
-_numba = importlib.util.find_spec("numba") is not None
-_compiled = {}  # "module": blas_compiled.py; library name -> ({dtype char: gemm address}, setter address, int sample)
 _lock = threading.Lock()
 _one_thread = {"depth": 0}  # how many one_thread blocks are open (intra-op maps, maybe from several threads)
 
@@ -151,7 +144,6 @@ def _load_openblas():
         set_count.argtypes, set_count.restype = [ctypes.c_int], None
         get_count.argtypes, get_count.restype = [], ctypes.c_int
         _counts["openblas"] = (set_count, get_count)
-        _blas_int["openblas"] = ctypes.c_int64
         with _lock:
             if _one_thread["depth"] == 0:
                 set_count(thread_count.get())
@@ -190,7 +182,6 @@ def _load_mkl():
             get_count = lib.MKL_Get_Max_Threads
             get_count.restype = ctypes.c_int
             _counts["mkl"] = (None, get_count)  # its global count stays 1 (see the module docstring)
-            _blas_int["mkl"] = ctypes.c_int
             break
     return fns
 
@@ -369,19 +360,12 @@ def matmul(a, b, out, beta=0.0, threads=1):
     one float dtype through :func:`gemm`, on ``threads`` threads of MKL's own (OpenBLAS: on its
     count, which is minidl's thread count, 1 inside :func:`one_thread`); False
     (nothing done) where BLAS cannot take them as they lie. Whether it can depends only on dtypes
-    and strides, not on the values. Where Numba is installed the same call is made from compiled
-    code (the ``blas_compiled`` option, blas_compiled.py)."""
+    and strides, not on the values."""
     # Called once per GEMM of every MatMul and Dense: the library is looked up once, here.
     name = library()
     fn = _found[name].get(out.dtype.char) if name else None
     if fn is None or not a.dtype == b.dtype == out.dtype:
         return False
-    if _numba and get_option("blas_compiled"):
-        module, (gemms, set_threads, blas_int) = _compiled_call(name)
-        if threads == 1:
-            return module.matmul(gemms[out.dtype.char], 0, blas_int, a, b, out, beta, threads)
-        with _short_blocktime(name):
-            return module.matmul(gemms[out.dtype.char], set_threads, blas_int, a, b, out, beta, threads)
     if not (a.size and b.size):
         return False
     ra, rb, rc = _rows(a), _rows(b), _rows(out)
@@ -399,20 +383,3 @@ def matmul(a, b, out, beta=0.0, threads=1):
         if set_local:
             set_local(previous)
     return True
-
-
-def _compiled_call(name):
-    """(blas_compiled.py, (library ``name``'s {dtype char: gemm address}, its thread-local thread-count
-    setter's address, 0 where it has none (OpenBLAS), a sample of its BLAS integer type)), made once
-    per library."""
-    entry = _compiled.get(name)
-    if entry is None:
-        module = _compiled.get("module")
-        if module is None:
-            from . import blas_compiled as module
-            _compiled["module"] = module
-        address_of = lambda f: ctypes.cast(f, ctypes.c_void_p).value if f is not None else 0  # noqa: E731
-        sample = numpy.int64(0) if _blas_int[name] is ctypes.c_int64 else numpy.int32(0)
-        entry = _compiled[name] = (module, ({c: address_of(f) for c, f in _found[name].items()},
-                                            address_of(_set_local.get(name)), sample))
-    return entry

@@ -28,19 +28,9 @@ def wheel_installed(name):
 @pytest.fixture
 def fresh_blas(monkeypatch):
     """blas.py as in a new process: no library loaded yet (the process's own loads are restored after)."""
-    for cache in ("_found", "_set_local", "_counts", "_blas_int", "_compiled", "_blocktime", "_refused"):
+    for cache in ("_found", "_set_local", "_counts", "_blocktime", "_refused"):
         monkeypatch.setattr(blas, cache, {})
     return blas
-
-
-@pytest.fixture
-def ctypes_route():
-    """blas.matmul through ctypes and blas.py's own stride checks (not blas_compiled.py's)."""
-    kernels.set_option("blas_compiled", False)
-    try:
-        yield
-    finally:
-        kernels.set_option("blas_compiled", None)
 
 
 def test_installed_says_whether_each_library_is_there():
@@ -110,7 +100,6 @@ from minidl.kernels.cpu.load_settings import environment_during
 from minidl import kernels
 assert blas.load("mkl")
 blas.load("openblas")
-kernels.set_option("blas_compiled", sys.argv[1] == "compiled")
 a = np.ones((512, 512), np.float32)
 out = np.empty_like(a)
 time.sleep(0.3)  # the load's check against numpy.matmul leaves NumPy's OpenBLAS thread spinning ~0.1 s
@@ -129,14 +118,13 @@ print(json.dumps({"own_blocktime": iomp.kmp_get_blocktime(), "environ_unchanged"
 
 @pytest.mark.skipif(not wheel_installed("mkl"), reason="needs the mkl extra: pip install -e '.[mkl]'")
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="MKL's team needs 2 cores")
-@pytest.mark.parametrize("route", ["ctypes", "compiled"])
-def test_a_threaded_gemm_has_its_team_wait_briefly_and_leaves_the_thread_and_environment_as_they_were(route):
+def test_a_threaded_gemm_has_its_team_wait_briefly_and_leaves_the_thread_and_environment_as_they_were():
     """MKL's OpenMP team waits 1 ms after minidl's GEMM (by default), not the 200 ms of Intel OpenMP's
     default, yet the calling thread's own blocktime stays 200 and os.environ unchanged; with
     MINIDL_OMP_BLOCKTIME_MS=2000 the team spins through half a second's sleep (what the check sees)."""
     def report(**environ):
         env = {k: v for k, v in os.environ.items() if k not in ("KMP_BLOCKTIME", "MINIDL_OMP_BLOCKTIME_MS")}
-        done = subprocess.run([sys.executable, "-c", _LOAD_AND_REPORT, route], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-c", _LOAD_AND_REPORT], capture_output=True, text=True,
                               timeout=120, env={**env, **environ})
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.splitlines()[-1])
@@ -168,19 +156,16 @@ def test_a_fresh_load_binds_both_gemms_that_compute_the_product(fresh_blas, name
                         trans_b=True)
         tol = 1e-5 if dtype == np.float32 else 1e-12
         np.testing.assert_allclose(c, a.astype(np.float64) @ b.T + 3.0, rtol=tol, atol=tol)
-        for compiled in (False, True):  # ctypes' call, and the compiled call through the bound addresses
-            kernels.set_option("blas_compiled", compiled)
-            out = np.full((5, 6), 3.0, dtype)
-            assert fresh_blas.matmul(a, b.T, out, threads=2)
-            np.testing.assert_allclose(out, a.astype(np.float64) @ b.T, rtol=tol, atol=tol)
+        out = np.full((5, 6), 3.0, dtype)
+        assert fresh_blas.matmul(a, b.T, out, threads=2)
+        np.testing.assert_allclose(out, a.astype(np.float64) @ b.T, rtol=tol, atol=tol)
     finally:
         kernels.set_option("blas", previous)
-        kernels.set_option("blas_compiled", None)
 
 
 @pytest.mark.skipif(not wheel_installed("mkl"), reason="needs the mkl extra: pip install -e '.[mkl]'")
 def test_a_fresh_mkl_load_keeps_its_global_count_one_and_sets_threads_and_blocktime_per_call(
-        fresh_blas, ctypes_route, monkeypatch):
+        fresh_blas, monkeypatch):
     """MKL's global count stays 1 (a call from an intra-op thread starts no team); a threaded call
     runs with its thread count and the wanted blocktime set in the calling thread, both given
     back after it."""
@@ -218,8 +203,7 @@ def test_a_fresh_openblas_load_takes_minidls_count_or_one_inside_a_one_thread_bl
         pytest.skip("one thread: the count and the one-thread block's 1 cannot be told apart")
     assert fresh_blas.load("openblas")
     assert fresh_blas.num_threads("openblas") == thread_count.get()
-    assert fresh_blas._blas_int["openblas"] is ctypes.c_int64
-    for cache in ("_found", "_counts", "_blas_int"):
+    for cache in ("_found", "_counts"):
         getattr(fresh_blas, cache).clear()
     with fresh_blas.one_thread():
         assert fresh_blas.load("openblas")  # loaded while intra-op threads run chunks: 1 until they end
@@ -255,7 +239,7 @@ def views(dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_matmul_takes_the_views_blas_can_and_leaves_the_rest(ctypes_route, dtype):
+def test_matmul_takes_the_views_blas_can_and_leaves_the_rest(dtype):
     # Either out = a @ b (the call reports True) or out untouched (False, for NumPy to do): never a
     # view read with the wrong strides.
     tol = 1e-5 if dtype == np.float32 else 1e-12

@@ -1,7 +1,6 @@
 """The tap convolution (minidl/kernels/cpu/taps.py) and the direct BLAS calls under it
 (minidl/kernels/cpu/blas.py), against NumPy and the reference Conv2D, on each BLAS found."""
 import contextlib
-import importlib.util
 import tracemalloc
 
 import numpy as np
@@ -15,8 +14,6 @@ from minidl.kernels.cpu.taps import Taps, tap_correlate, tap_input_gradient
 pytestmark = [pytest.mark.cpu_only, pytest.mark.usefixtures("kernels_on")]
 
 LIBRARIES = [name for name in ("openblas", "mkl") if blas.load(name)]
-# blas.matmul's two routes to the same call: compiled by Numba (blas_compiled.py), or ctypes
-ROUTES = [False] + ([True] if importlib.util.find_spec("numba") else [])
 
 
 @contextlib.contextmanager
@@ -35,19 +32,13 @@ def library(request):
         yield request.param
 
 
-@pytest.fixture(params=ROUTES, ids=lambda compiled: "compiled" if compiled else "ctypes")
-def route(request):
-    with option("blas_compiled", request.param):
-        yield request.param
-
-
 def test_numpys_openblas_is_found():
     # NumPy's wheels vendor OpenBLAS; the tap route depends on reaching it (or MKL).
     assert "openblas" in LIBRARIES
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_matmul_in_every_layout_and_accumulating(library, route, dtype):
+def test_matmul_in_every_layout_and_accumulating(library, dtype):
     rng = np.random.default_rng(0)
     a = rng.standard_normal((7, 5)).astype(dtype)
     b = rng.standard_normal((5, 9)).astype(dtype)
@@ -62,7 +53,7 @@ def test_matmul_in_every_layout_and_accumulating(library, route, dtype):
     assert (out[:, :9] == out).all()
 
 
-def test_matmul_declines_what_blas_cannot_take(library, route):
+def test_matmul_declines_what_blas_cannot_take(library):
     a = np.ones((4, 6), np.float32)
     out = np.zeros((4, 3), np.float32)
     assert not blas.matmul(a, np.ones((6, 3), np.float64), out)           # mixed dtypes
@@ -74,12 +65,10 @@ def test_matmul_declines_what_blas_cannot_take(library, route):
     assert (out == 0).all()
 
 
-@pytest.mark.skipif(len(ROUTES) < 2, reason="the compiled route needs Numba (minidl[numba])")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_matmul_routes_make_the_same_call(library, threads, dtype):
-    # The compiled route passes BLAS what the ctypes route passes: the same bits on every layout
-    # (row pitch, either orientation of each operand), beta 0 and 1, one and two threads.
+def test_matmul_on_every_layout_beta_and_thread_count(library, threads, dtype):
+    # Every layout (row pitch, either orientation of each operand), beta 0 and 1, one and two threads.
     rng = np.random.default_rng(2)
     a = rng.standard_normal((70, 50)).astype(dtype)
     b = rng.standard_normal((50, 90)).astype(dtype)
@@ -87,14 +76,9 @@ def test_matmul_routes_make_the_same_call(library, threads, dtype):
     for a_view in (a, np.asfortranarray(a), np.pad(a, ((0, 0), (0, 2)))[:, :50]):
         for b_view in (b, np.asfortranarray(b), np.pad(b, ((0, 0), (0, 3)))[:, :90]):
             for beta in (0.0, 1.0):
-                outs = []
-                for compiled in (False, True):
-                    out = np.pad(c, ((0, 0), (0, 5)))[:, :90]
-                    with option("blas_compiled", compiled):
-                        assert blas.matmul(a_view, b_view, out, beta=beta, threads=threads)
-                    outs.append(out)
-                np.testing.assert_array_equal(outs[0], outs[1])
-                np.testing.assert_allclose(outs[1], a.astype(np.float64) @ b + beta * c, rtol=1e-4, atol=1e-4)
+                out = np.pad(c, ((0, 0), (0, 5)))[:, :90]
+                assert blas.matmul(a_view, b_view, out, beta=beta, threads=threads)
+                np.testing.assert_allclose(out, a.astype(np.float64) @ b + beta * c, rtol=1e-4, atol=1e-4)
 
 
 def test_gemm_sums_into_c_from_offset_operands(library):

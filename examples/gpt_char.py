@@ -2,11 +2,34 @@
 
     python examples/gpt_char.py                  # about 2 minutes on a 2-core laptop CPU, then a sample
     python examples/gpt_char.py --steps 50       # a quick look
+    python examples/gpt_char.py --recompute --loss-scale dynamic
+    mpirun --oversubscribe -n 4 python examples/gpt_char.py --batch 8               # data parallel, 4 processes
+    python -m minidl_parallel.run -n 4 examples/gpt_char.py --batch 8               # the same, without mpirun
 
 A small decoder-only Transformer (minidl.models.gpt: token + position embeddings, pre-LayerNorm
 blocks of causal self-attention and a GELU MLP, the head tied to the embedding) learns to predict
-the next character. AdamWeightDecay, a custom loop with value_and_grad; the training and held-out
-losses are printed as they fall from ln(vocabulary) (about 4.1), and text is sampled at the end.
+the next character. AdamWeightDecay, one ``nn.TrainOneStepCell(nn.WithLossCell(...))`` call per
+step; the training and held-out losses are printed as they fall from ln(vocabulary) (about 4.1),
+and text is sampled at the end.
+
+Launched by mpirun or ``python -m minidl_parallel.run`` (``--parallel auto``, the default), or
+inside an already initialised world (``minidl_parallel.run_threads``), it trains data parallel:
+DATA_PARALLEL with ``gradients_mean=True`` and ``parameter_broadcast=True``, so the step cell
+averages the gradients over the ranks by itself. ``--batch`` is per rank: every rank draws the
+same ``batch x ranks`` random windows (the same seed) and keeps its own ``batch`` rows, so the
+global batch, and the training, are those of one process run with ``--batch batch x ranks``
+(equal up to float32 rounding: the ranks' means are averaged where one process averages at
+once). The losses printed are the global batch's (the ranks' losses averaged, one 8-byte
+all-reduce per printed line), once, by rank 0; the held-out windows are sharded the same way.
+``--save PATH`` writes the network's parameters at the end (rank 0; every rank holds the same).
+
+``--recompute`` makes every Transformer block recompute itself in backward (``cell.recompute()``):
+less activation memory for one more forward of each block, and the same losses and parameters
+bit for bit. ``--loss-scale fixed|dynamic`` trains through ``nn.TrainOneStepWithLossScaleCell``
+with ``minidl.amp``'s ``FixedLossScaleManager()`` / ``DynamicLossScaleManager()`` (MindSpore's
+defaults); in float32 with no overflow (powers of 2) that equals ``none`` bit for bit, and the
+last line says the scale and how many steps were skipped. Not here yet: optimizer parallelism
+(``--zero``) and mixed precision (``--amp``), which minidl does not have yet (issue 31).
 """
 import argparse
 import os
@@ -15,10 +38,12 @@ import time
 import numpy as np
 
 import minidl
-from minidl import nn, Tensor
+from minidl import amp, nn, Tensor
 from minidl.models.gpt import GPT
+from minidl.runtime import get_runtime
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sonnets.txt")
+LOSS_SCALES = {"none": None, "fixed": amp.FixedLossScaleManager, "dynamic": amp.DynamicLossScaleManager}
 
 
 class CharData:
@@ -31,10 +56,12 @@ class CharData:
         cut = int(0.9 * len(ids))
         self.train, self.val = ids[:cut], ids[cut:]
 
-    def batch(self, part, size, block, rng):
-        """``size`` random windows of ``block`` characters and, shifted by one, their next characters."""
+    def batch(self, part, size, block, rng, rank=0, ranks=1):
+        """This rank's ``size`` of ``size x ranks`` random windows of ``block`` characters and, shifted
+        by one, their next characters. Every rank draws all the starts (the same generator state on
+        every rank), so the global batch does not depend on how many ranks share it."""
         ids = self.train if part == "train" else self.val
-        starts = rng.integers(0, len(ids) - block - 1, size)
+        starts = rng.integers(0, len(ids) - block - 1, size * ranks)[rank * size:(rank + 1) * size]
         x = np.stack([ids[s:s + block] for s in starts])
         y = np.stack([ids[s + 1:s + block + 1] for s in starts])
         return Tensor(x), Tensor(y)
@@ -43,10 +70,22 @@ class CharData:
         return "".join(self.chars[i] for i in ids)
 
 
-def main():
+class NextCharLoss(nn.Cell):
+    """Cross-entropy of the (N, T, vocabulary) logits against the (N, T) next characters."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+        self.cross_entropy = nn.CrossEntropyLoss()
+
+    def construct(self, logits, labels):
+        return self.cross_entropy(logits.reshape(-1, self.vocab), labels.reshape(-1))
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1200)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=32, help="windows per step and rank")
     parser.add_argument("--block", type=int, default=32, help="context length (characters)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
@@ -56,42 +95,104 @@ def main():
     parser.add_argument("--sample", type=int, default=300, help="characters to sample at the end")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--text", default=TEXT)
-    args = parser.parse_args()
+    parser.add_argument("--recompute", action="store_true", help="recompute each Transformer block in backward")
+    parser.add_argument("--loss-scale", choices=sorted(LOSS_SCALES), default="none",
+                        help="train through nn.TrainOneStepWithLossScaleCell with this minidl.amp manager")
+    parser.add_argument("--save", help="write the network's parameters here at the end (rank 0)")
+    parser.add_argument("--parallel", choices=["auto", "none"], default="auto",
+                        help="auto: data parallel when launched by mpirun / minidl_parallel.run or inside an "
+                             "initialised world (needs minidl_parallel); none: never")
+    args = parser.parse_args(argv)
+    for name in ("steps", "batch", "block", "layers", "heads", "embd", "eval_every"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    return args
+
+
+def setup_parallel(mode):
+    """Joins the world when launched by mpirun (mode auto) and turns on data parallelism in it, or in
+    the world already joined (run_threads); returns (rank, ranks)."""
+    if mode == "none":
+        return 0, 1
+    try:
+        import minidl_parallel as mp
+        from minidl_parallel.context import launched_under_mpi
+    except ImportError:
+        return 0, 1
+    if not mp.is_initialized():
+        if not launched_under_mpi():
+            return 0, 1
+        mp.init()
+    # The step cell asks the runtime for this mode's gradient reducer at its first step.
+    mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+                                 parameter_broadcast=True)
+    return mp.get_rank(), mp.get_group_size()
+
+
+def mean_over_ranks(value, ranks):
+    """The mean of a float over the ranks (every rank must call): the global batch's loss."""
+    return float(get_runtime().sum_over_ranks(np.array([value], dtype=np.float64))[0]) / ranks
+
+
+def main(argv=None):
+    """Trains and samples; returns ``{"losses": {step: (train, held-out)}, "params": {name: array}}``."""
+    args = parse_args(argv)
+    rank, ranks = setup_parallel(args.parallel)
+
+    def say(message):
+        """This script's messages: once per job, from rank 0."""
+        if rank == 0:
+            print(message, flush=True)
 
     minidl.set_seed(args.seed)
     with open(args.text, encoding="utf-8") as f:
         data = CharData(f.read())
-    rng = np.random.default_rng(args.seed)
-    net = GPT(len(data.chars), block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
-    loss_fn = nn.CrossEntropyLoss()
-    opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=args.lr, weight_decay=0.01)
+    rng = np.random.default_rng(args.seed)  # the same on every rank: each keeps its rows of every batch
     vocab = len(data.chars)
-
-    def forward(x, y):
-        logits = net(x)
-        return loss_fn(logits.reshape(-1, vocab), y.reshape(-1))
-
-    grad_fn = minidl.value_and_grad(forward, None, opt.parameters)
-    print(f"{len(data.train) + len(data.val)} characters, vocabulary {vocab}; "
-          f"{sum(p.size for p in net.trainable_params())} parameters; ln(vocabulary) = {np.log(vocab):.2f}")
-    net.set_train(True)
+    net = GPT(vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
+    if args.recompute:
+        for block in net.blocks:
+            block.recompute()
+    opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=args.lr, weight_decay=0.01)
+    with_loss = nn.WithLossCell(net, NextCharLoss(vocab))
+    manager = LOSS_SCALES[args.loss_scale]
+    if manager is None:
+        train_step = nn.TrainOneStepCell(with_loss, opt)
+    else:
+        manager = manager()
+        train_step = nn.TrainOneStepWithLossScaleCell(with_loss, opt, scale_sense=manager.get_update_cell())
+    say(f"{len(data.train) + len(data.val)} characters, vocabulary {vocab}; "
+        f"{sum(p.size for p in net.trainable_params())} parameters; ln(vocabulary) = {np.log(vocab):.2f}")
+    if ranks > 1:
+        say(f"data parallel on {ranks} ranks: batch {args.batch} per rank, global batch {args.batch * ranks}")
+    train_step.set_train(True)
+    losses, skipped = {}, 0
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
-        loss, grads = grad_fn(*data.batch("train", args.batch, args.block, rng))
-        opt(grads)
+        out = train_step(*data.batch("train", args.batch, args.block, rng, rank, ranks))
+        loss = out if manager is None else out[0]
+        skipped += manager is not None and bool(out[1])
         if step % args.eval_every == 0 or step == 1 or step == args.steps:
             net.set_train(False)
             with minidl.no_grad():
-                val = np.mean([float(forward(*data.batch("val", args.batch, args.block, rng)).asnumpy())
-                               for _ in range(4)])
+                val = np.mean([float(with_loss(*data.batch("val", args.batch, args.block, rng, rank, ranks))
+                                     .asnumpy()) for _ in range(4)])
             net.set_train(True)
-            print(f"step {step:4d}  train loss {float(loss.asnumpy()):.3f}  held-out loss {val:.3f}  "
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)
-    if args.sample:
+            train, val = mean_over_ranks(float(loss.asnumpy()), ranks), mean_over_ranks(val, ranks)
+            losses[step] = (train, val)
+            say(f"step {step:4d}  train loss {train:.3f}  held-out loss {val:.3f}  "
+                f"({time.perf_counter() - start:.0f} s)")
+    if manager is not None:
+        say(f"loss scale {float(train_step.scale_sense.asnumpy().reshape(-1)[0]):g}, "
+            f"{skipped} of {args.steps} steps skipped (overflow)")
+    if args.save and rank == 0:
+        minidl.save_checkpoint(net, args.save)
+    if args.sample and rank == 0:
         prompt = data.train[:args.block // 2][None]
         out = net.generate(Tensor(prompt), args.sample, temperature=0.8, top_k=10)
         print("--- sample ---")
-        print(data.decode(out[0]))
+        print(data.decode(out[0]), flush=True)
+    return {"losses": losses, "params": {p.name: p.asnumpy() for p in net.trainable_params()}}
 
 
 if __name__ == "__main__":

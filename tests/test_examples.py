@@ -1,10 +1,16 @@
-"""The README's main example runs as a newcomer would run it (shortened)."""
+"""The README's main example runs as a newcomer would run it (shortened); the GPT example on one process,
+thread ranks, mpirun and python -m minidl_parallel.run."""
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+import minidl
+from minidl_parallel import run_threads
 
 from cifar_files import write_cifar_batches
 
@@ -63,3 +69,95 @@ def test_gpt_char_example_learns_and_samples():
     assert len(train) == 3 and train[-1] < train[0] - 0.5  # from ln(56) = 4.0 towards the text's statistics
     sample = out.stdout.split("--- sample ---\n")[1]
     assert sample.startswith("From fairest cre") and len(sample) == 16 + 20 + 1  # prompt, sample, print's newline
+
+
+# ---- examples/gpt_char.py: data parallel, --recompute, --loss-scale ------------------------------------------
+
+GPT_TINY = ["--steps", "3", "--eval-every", "1", "--sample", "0", "--layers", "1", "--embd", "16", "--heads", "2",
+            "--block", "8"]
+# float32: each rank averages its half of the tokens and the halves' means are averaged, where one process
+# averages all at once (a reordered sum, ~1e-7 relative). AdamWeightDecay turns gradients that are zero up to
+# rounding (the attention's key bias: softmax ignores it) into steps of lr * |g| / eps ~ 1e-7 whatever their
+# sign, hence an absolute bound on parameters of scale 0.02 to 1 (measured: 2.3e-7 after 3 steps).
+GPT_PARAM_ATOL = 1e-6
+GPT_LOSS_RTOL = 1e-6
+
+
+def _gpt_char():
+    """examples/gpt_char.py as a module, so its main(argv) runs in this process (and in run_threads)."""
+    spec = importlib.util.spec_from_file_location("gpt_char_example", os.path.join(ROOT, "examples", "gpt_char.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _assert_same_params(got, ref):
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=GPT_PARAM_ATOL, err_msg=name)
+
+
+def test_gpt_char_data_parallel_on_two_thread_ranks_equals_one_process_on_the_global_batch():
+    gpt_char = _gpt_char()
+    one = gpt_char.main(GPT_TINY + ["--batch", "4"])
+    ranks = run_threads(2, gpt_char.main, GPT_TINY + ["--batch", "2"])
+    for rank in ranks:  # every rank prints (rank 0) and holds the global batch's losses and parameters
+        assert sorted(rank["losses"]) == [1, 2, 3]
+        for step, (train, val) in one["losses"].items():
+            assert rank["losses"][step] == pytest.approx((train, val), rel=GPT_LOSS_RTOL)
+        _assert_same_params(rank["params"], one["params"])
+    # The bound tells batches apart: one process on a rank's half of the windows ends elsewhere.
+    half = gpt_char.main(GPT_TINY + ["--batch", "2"])
+    assert max(np.abs(half["params"][n] - one["params"][n]).max() for n in one["params"]) > 100 * GPT_PARAM_ATOL
+
+
+def test_gpt_char_recompute_and_loss_scaling_change_nothing_bit_for_bit():
+    gpt_char = _gpt_char()
+    plain = gpt_char.main(GPT_TINY + ["--batch", "4"])
+    for extra in (["--recompute"], ["--loss-scale", "dynamic"], ["--loss-scale", "fixed", "--recompute"]):
+        run = gpt_char.main(GPT_TINY + ["--batch", "4"] + extra)
+        assert run["losses"] == plain["losses"], extra
+        for name, value in plain["params"].items():
+            assert np.array_equal(run["params"][name], value), (extra, name)
+
+
+def test_gpt_char_rejects_bad_arguments():
+    out = subprocess.run([sys.executable, "examples/gpt_char.py", "--batch", "0"], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--batch must be positive, got 0" in out.stderr
+
+
+def _mpirun_gpt(tmp_path, launcher):
+    """examples/gpt_char.py on 2 ranks started by ``launcher`` (mpirun or python -m minidl_parallel.run)."""
+    if launcher == "mpirun":
+        sys.path.insert(0, os.path.join(ROOT, "tests", "minidl_parallel"))  # as test_mpirun_example_log.py
+        from test_mpirun_training import mpirun  # its skips, root variables and one BLAS thread per rank
+        save = tmp_path / "mpirun.safetensors"
+        return mpirun(2, "examples/gpt_char.py", *GPT_TINY, "--batch", "2", "--sample", "5", "--recompute",
+                      "--loss-scale", "dynamic", "--save", save, timeout=120), save
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install 'minidl[mpi]')")
+    save = tmp_path / "run.safetensors"
+    env = {k: v for k, v in ENV.items() if k not in ("MINIDL_DIST_DEBUG", "MINIDL_DEVICE")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "minidl_parallel.run", "-n", "2", "--allow-run-as-root", "--timeout", "110",
+           "--log-dir", str(tmp_path / "logs"), "examples/gpt_char.py", *GPT_TINY, "--batch", "2", "--sample", "5",
+           "--save", str(save)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120), save
+
+
+@pytest.mark.cpu_only  # fresh processes: they would import the machine's own CuPy, not the device double
+@pytest.mark.parametrize("launcher", ["mpirun", "minidl_parallel.run"])
+def test_gpt_char_under_a_launcher_trains_data_parallel_as_one_process(tmp_path, launcher):
+    proc, save = _mpirun_gpt(tmp_path, launcher)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    # rank 0 alone prints: each line once
+    assert out.count("data parallel on 2 ranks: batch 2 per rank, global batch 4") == 1
+    assert out.count("train loss") == 3 and out.count("--- sample ---") == 1 and "[rank" not in out
+    if launcher == "mpirun":
+        assert out.count("loss scale 1.67772e+07, 0 of 3 steps skipped (overflow)") == 1
+    one = _gpt_char().main(GPT_TINY + ["--batch", "4"])
+    printed = [float(l.split("train loss ")[1].split()[0]) for l in out.splitlines() if "train loss" in l]
+    assert printed == [round(one["losses"][step][0], 3) for step in (1, 2, 3)]
+    saved = {name: p.asnumpy() for name, p in minidl.load_checkpoint(str(save)).items()}
+    _assert_same_params(saved, one["params"])

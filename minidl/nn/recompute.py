@@ -143,6 +143,8 @@ class _Recomputation:
         try:
             with self.recompute_context:
                 out = self.construct.run_original(cell, args, kwargs)
+                if isinstance(out, Tensor):
+                    out.data  # noqa: B018  (a GRAPH_MODE op still pending on the output runs now, recording its node)
         finally:
             _grad_mode.enabled = enabled
             _restore_random_state(random_state_now)

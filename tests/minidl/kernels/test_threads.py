@@ -211,6 +211,31 @@ def test_set_num_threads_rejects_bad_values_naming_them_and_changes_nothing():
     assert minidl.get_num_threads() == before
 
 
+def test_the_environment_gives_the_count_one_included(monkeypatch):
+    assert thread_count.default({"MINIDL_NUM_THREADS": "1"}) == 1
+    monkeypatch.setenv("MINIDL_NUM_THREADS", "3")
+    assert thread_count.default() == 3  # os.environ when no mapping is given
+    monkeypatch.delenv("MINIDL_NUM_THREADS")
+    assert thread_count.default() == thread_count.cores()
+
+
+def test_a_map_from_inside_a_pool_task_runs_on_that_thread(threads):
+    """A task on a pool worker knows it is one (in_worker: oneDNN's kernel stands aside there), and
+    a parallel_map it makes runs its calls in turn on its own thread: the pool's workers are busy
+    with the outer map, so queueing would wait on itself."""
+    threads(2)
+    import threading as _threading
+
+    def outer(i):
+        inner = intra_op.parallel_map(lambda j: _threading.get_ident(), 2, calls_blas=False)
+        return intra_op.in_worker(), _threading.get_ident(), inner
+    results = intra_op.parallel_map(outer, 2, calls_blas=False)
+    assert results[0][0] is False and results[1][0] is True
+    worker_ident = results[1][1]
+    assert results[1][2] == [worker_ident, worker_ident]
+    assert results[0][1] == _threading.get_ident() != worker_ident
+
+
 def test_bad_environment_value_names_the_variable():
     with pytest.raises(ValueError, match="MINIDL_NUM_THREADS must be a positive int, got 'two'"):
         thread_count.default({"MINIDL_NUM_THREADS": "two"})

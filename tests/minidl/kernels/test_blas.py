@@ -33,6 +33,10 @@ def fresh_blas(monkeypatch):
     return blas
 
 
+def test_the_thread_count_of_a_library_not_loaded_is_none(fresh_blas):
+    assert fresh_blas.num_threads("openblas") is None and fresh_blas.num_threads("mkl") is None
+
+
 def test_installed_says_whether_each_library_is_there():
     # MKL is the mkl wheel's libmkl_rt; OpenBLAS is the scipy-openblas64 wheel (never NumPy's own copy).
     assert blas.installed("mkl") == wheel_installed("mkl")

@@ -219,6 +219,14 @@ def test_the_environment_gives_the_count_one_included(monkeypatch):
     assert thread_count.default() == thread_count.cores()
 
 
+def test_the_count_is_the_default_until_one_is_put_and_is_read_once(monkeypatch):
+    monkeypatch.setattr(thread_count, "_state", {"n": None})  # as in a new process
+    monkeypatch.setenv("MINIDL_NUM_THREADS", "3")
+    assert thread_count.get() == 3
+    monkeypatch.setenv("MINIDL_NUM_THREADS", "5")
+    assert thread_count.get() == 3  # read once: the environment is the starting value only
+
+
 def test_a_map_from_inside_a_pool_task_runs_on_that_thread(threads):
     """A task on a pool worker knows it is one (in_worker: oneDNN's kernel stands aside there), and
     a parallel_map it makes runs its calls in turn on its own thread: the pool's workers are busy

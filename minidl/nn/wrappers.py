@@ -30,8 +30,10 @@ __all__ = ["WithLossCell", "TrainOneStepCell"]
 class WithLossCell(Cell):
     """``construct(data, label)`` returns ``loss_fn(backbone(data), label)``.
 
-    The wrapper adds no prefix (``auto_prefix=False``): the backbone's parameters keep their
-    names, so a checkpoint of either loads into the other.
+    The wrapper adds no prefix to the parameters' names (``auto_prefix=False``), as MindSpore's.
+    A checkpoint stores the path from the saved cell, though (io/parameter_names.py), so one of
+    the wrapper has ``_backbone.``-prefixed keys: save and load the backbone (MindSpore's keys are
+    the names, interchangeable between the two).
 
     Args:
         backbone: the network, called with the data.

@@ -275,7 +275,7 @@ def test_set_num_threads_sets_every_pool_minidl_uses(threads):
     threads(2)
     pools = _pools()
     assert pools["intra-op"] == 2
-    assert pools["openblas"] in (2, None) and pools["onednn"] == 2
+    assert pools["openblas"] in (2, None) and pools["onednn"] in (2, None)  # None: not installed
     threads(1)
     assert set(_pools().values()) <= {1, None} and _pools()["intra-op"] == 1
 

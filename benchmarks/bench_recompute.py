@@ -6,15 +6,17 @@ Peak: the most NumPy memory (NumPy reports its allocations to tracemalloc) above
 before the step, with the kernels' pool of reused blocks off (every array NumPy's, allocated when
 made). Time: the fastest of 7 steps after 2 untimed ones, pool on (the default).
 """
+import os
 import sys
 import time
 import tracemalloc
 
 import numpy as np
 
-import minidl
-from minidl import Tensor, kernels, nn
-from minidl.models import resnet20
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # minidl from this checkout
+import minidl  # noqa: E402
+from minidl import Tensor, kernels, nn  # noqa: E402
+from minidl.models import resnet20  # noqa: E402
 
 
 class DenseBlock(nn.Cell):

@@ -16,21 +16,12 @@ import minidl
 from minidl import Tensor, graph_mode, kernels, nn, ops
 from minidl.ops.norm_relu import BatchNormReLU
 from minidl.runtime import Runtime
+from minidl.testing.modes import mode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import models_minidl  # noqa: E402  (the user-written BasicBlock and ResNet-20)
 
 MODES = (minidl.PYNATIVE_MODE, minidl.GRAPH_MODE)
-
-
-@contextlib.contextmanager
-def mode(m):
-    before = minidl.get_context("mode")
-    minidl.set_context(mode=m)
-    try:
-        yield
-    finally:
-        minidl.set_context(mode=before)
 
 
 def both(fn, *args):

@@ -1,6 +1,5 @@
 """GRAPH_MODE under data and tensor parallelism: its layer wraps the parallel runtime, fuses, and
 the run equals the single-device eager run (not itself)."""
-import contextlib
 
 import numpy as np
 import pytest
@@ -11,18 +10,9 @@ from minidl_parallel import run_threads
 from minidl_parallel.collectives import resolve_communicator
 from minidl_parallel.grad_reducer import DistributedGradReducer
 from minidl_parallel.testing import compare_runs, init_arrays, run_rank, run_single
+from minidl.testing.modes import mode
 
 F64 = minidl.float64
-
-
-@contextlib.contextmanager
-def mode(m):
-    before = minidl.get_context("mode")
-    minidl.set_context(mode=m)
-    try:
-        yield
-    finally:
-        minidl.set_context(mode=before)
 
 
 @pytest.fixture

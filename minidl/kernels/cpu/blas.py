@@ -27,7 +27,8 @@ with its Intel OpenMP threading layer and its global count 1 (so a call from an 
 never starts a team of its own); a MatMul's call (kernels/cpu/matmul.py) sets its ``threads``
 thread-locally for that call. Intel OpenMP's threads spin after a parallel region for the
 blocktime of the thread that started it, 200 ms by default (``KMP_BLOCKTIME``), on cores the
-intra-op threads then need: the user-written ResNet-20's step spent a core's 70 ms in them. So a
+intra-op threads then need (the user-written ResNet-20's step took 1.29x the CPU time with them:
+docs/performance.md). So a
 threaded call also sets the calling thread's blocktime (``kmp_set_blocktime``, Intel OpenMP's
 runtime API) to ``MINIDL_OMP_BLOCKTIME_MS`` (default 1 ms: 300 us made the MLP's step slower,
 its threads then sleeping before the next GEMM) and gives the thread its own value back after

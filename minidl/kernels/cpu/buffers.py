@@ -4,7 +4,7 @@ Why: glibc's malloc serves a request above its mmap threshold (128 KiB at first,
 block freed so far) with new pages from the kernel, each faulted in and zeroed at its first touch,
 and gives them back at ``free``; free heap above its trim threshold goes back too. A training step
 allocates and frees the same arrays every step: the user-written ResNet-20 at batch 64 faulted
-about 26,000 pages (100 MiB) per step on an AMD EPYC (benchmarks/bench_step_ab.py --option
+41,720 pages (163 MiB) per step on an AMD EPYC (benchmarks/bench_step_ab.py --option
 buffer_pool=False; docs/performance.md), a quarter of its time. ``mallopt`` would change that for
 every library in the process (malloc.py: an opt-in); this pool changes it for minidl's own
 arrays only.

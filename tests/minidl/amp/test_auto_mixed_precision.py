@@ -5,7 +5,6 @@ Each training test builds the same network twice from one seed: the float32 refe
 with nn.TrainOneStepCell, the O2 copy with nn.TrainOneStepWithLossScaleCell (a fixed scale of
 2^10, as float16 training needs), both with Momentum, in both execution modes.
 """
-import contextlib
 import copy
 
 import numpy as np
@@ -14,19 +13,10 @@ import pytest
 import minidl
 from minidl import Tensor, amp, nn
 from minidl.models.resnet import BasicBlock
+from minidl.testing.modes import mode
 
 MODES = {"pynative": minidl.PYNATIVE_MODE, "graph": minidl.GRAPH_MODE}
 _modes = pytest.mark.parametrize("m", MODES.values(), ids=MODES.keys())
-
-
-@contextlib.contextmanager
-def mode(m):
-    before = minidl.get_context("mode")
-    minidl.set_context(mode=m)
-    try:
-        yield
-    finally:
-        minidl.set_context(mode=before)
 
 
 def mlp():

@@ -17,18 +17,9 @@ import minidl
 from minidl import Tensor, backend, kernels, nn, ops
 from minidl.models.resnet import BasicBlock
 from minidl.nn.recompute import _Recomputation
+from minidl.testing.modes import mode
 
 MODES = {"pynative": minidl.PYNATIVE_MODE, "graph": minidl.GRAPH_MODE}
-
-
-@contextlib.contextmanager
-def mode(m):
-    before = minidl.get_context("mode")
-    minidl.set_context(mode=m)
-    try:
-        yield
-    finally:
-        minidl.set_context(mode=before)
 
 
 class DenseBlock(nn.Cell):

@@ -10,6 +10,7 @@ import minidl
 from minidl import nn
 from minidl.dataset import NumpySlicesDataset
 from minidl.train import Model
+from minidl.testing.modes import mode as _mode
 
 
 def blobs(n, seed=0):
@@ -106,16 +107,6 @@ def _batches(k, batch, seed=0):
 def _cell_steps(step, xs, ys):
     step.set_train()
     return [step(minidl.Tensor(x), minidl.Tensor(y)) for x, y in zip(xs, ys)]
-
-
-@contextlib.contextmanager
-def _mode(mode):
-    before = minidl.get_context("mode")
-    minidl.set_context(mode=mode)
-    try:
-        yield
-    finally:
-        minidl.set_context(mode=before)
 
 
 @pytest.mark.parametrize("mode", [None, "GRAPH_MODE"])

@@ -107,6 +107,18 @@ class Runtime:
         raise ValueError(f"optimizer state {getattr(buffer, 'name', '?')!r} has shape {tuple(buffer.shape)} but its "
                          f"parameter {getattr(param, 'name', '?')!r} has shape {tuple(param.shape)}")
 
+    def sum_over_slices(self, tensors, partials, who):
+        """The sums over whole tensors, from ``partials[i]``: a sum over what ``tensors[i]`` holds on
+        this rank (a norm's squares). A tensor holding one rank's slice (optimizer parallelism)
+        gets the sum over the ranks holding its slices (a collective); a whole one keeps its own.
+        ``who`` names the caller in errors (LARS, clip_by_global_norm)."""
+        for tensor in tensors:
+            if tensor.placement is not None:
+                raise ValueError(f"{who}: parameter {getattr(tensor, 'name', None)!r} of shape {tuple(tensor.shape)} "
+                                 f"is sharded (this rank holds a block of shape {tuple(tensor.data.shape)}), and no "
+                                 f"parallel runtime that can sum its blocks is active")
+        return partials
+
     @staticmethod
     def _refuse_sharded(tensor, what):
         placement = getattr(tensor, "placement", None)
@@ -192,7 +204,7 @@ def _passed_to_inner(name):
 
 
 for _name in ("rank", "group_size", "call_op", "call_cell", "grad_reducer", "full_value", "local_value",
-              "follow", "sum_over_ranks", "agree", "gather", "trains_in_lockstep"):
+              "follow", "sum_over_slices", "sum_over_ranks", "agree", "gather", "trains_in_lockstep"):
     setattr(Layered, _name, _passed_to_inner(_name))
 
 class _ThreadState(threading.local):

@@ -11,6 +11,8 @@ import sys
 
 from minidl.runtime import get_runtime
 
+from .optimizer_parallel import config as optimizer_parallel_config
+
 __all__ = ["get_rank", "get_group_size", "get_local_rank", "get_local_rank_size",
            "get_communicator", "is_initialized", "launched_under_mpi", "ParallelMode", "set_auto_parallel_context",
            "get_auto_parallel_context", "reset_auto_parallel_context", "World"]
@@ -32,7 +34,8 @@ STRATEGY_CKPT_DEFAULTS = {"load_file": "", "save_file": "", "only_trainable_para
 _DEFAULTS = {"parallel_mode": ParallelMode.STAND_ALONE, "gradients_mean": False, "parameter_broadcast": False,
              "device_num": None, "global_rank": None, "dataset_strategy": "data_parallel",
              "search_mode": "sharding_propagation", "grad_accumulation_step": 1, "gradient_compression": None,
-             "gradient_predivide_factor": 1.0, "strategy_ckpt_config": STRATEGY_CKPT_DEFAULTS}
+             "gradient_predivide_factor": 1.0, "strategy_ckpt_config": STRATEGY_CKPT_DEFAULTS,
+             "enable_parallel_optimizer": False, "parallel_optimizer_config": optimizer_parallel_config.DEFAULTS}
 # MindSpore's older keys: each reads and writes one entry of strategy_ckpt_config, as in MindSpore,
 # where both spellings set the same value.
 _STRATEGY_CKPT_ALIASES = {"strategy_ckpt_load_file": "load_file", "strategy_ckpt_save_file": "save_file"}
@@ -49,7 +52,7 @@ def _check_setting(key, value):
         if value not in ParallelMode.MODES:
             raise ValueError(f"set_auto_parallel_context: parallel_mode must be one of {ParallelMode.MODES}, "
                              f"got {value!r}")
-    elif key in ("gradients_mean", "parameter_broadcast"):
+    elif key in ("gradients_mean", "parameter_broadcast", "enable_parallel_optimizer"):
         if not isinstance(value, bool):
             raise ValueError(f"set_auto_parallel_context: {key} must be True or False, got {value!r}")
     elif key == "grad_accumulation_step":
@@ -184,8 +187,8 @@ def get_local_rank_size():
 def set_auto_parallel_context(**kwargs):
     """Sets parallel_mode, gradients_mean, parameter_broadcast, device_num, global_rank,
     dataset_strategy, search_mode, grad_accumulation_step, gradient_compression,
-    gradient_predivide_factor and/or strategy_ckpt_config (strategy_ckpt_save_file,
-    strategy_ckpt_load_file).
+    gradient_predivide_factor, strategy_ckpt_config (strategy_ckpt_save_file,
+    strategy_ckpt_load_file), enable_parallel_optimizer and/or parallel_optimizer_config.
 
     The last three configure DATA_PARALLEL's gradient reducer (Model.train's): reduce once per
     ``grad_accumulation_step`` steps (MindSpore's name; the steps in between only accumulate,
@@ -200,6 +203,13 @@ SEMI_AUTO_PARALLEL and AUTO_PARALLEL turn on operator-level tensor parallelism (
     shard_id=get_rank()``; the framework neither shards nor slices it); "full_batch": the
     whole batch on every rank, and the framework slices it, as MindSpore does.
     ``search_mode`` "sharding_propagation" (AUTO: ops without a strategy follow their inputs).
+
+    ``enable_parallel_optimizer=True`` slices the weights and the optimizer state (and at level2
+    the gradients) over the data-parallel ranks, with ``parallel_optimizer_config`` (MindSpore's
+    dict: "optimizer_level", "parallel_optimizer_threshold", "optimizer_weight_shard_size",
+    "gradient_accumulation_shard"; keys not given keep their value): see
+    minidl_parallel/optimizer_parallel/. Built for DATA_PARALLEL (a minidl extension: MindSpore
+    builds it for the auto-parallel modes only).
 
     ``strategy_ckpt_config`` (MindSpore's dict: "save_file", "load_file" and
     "only_trainable_params", defaults "", "" and True; keys not given keep their value) and the
@@ -222,6 +232,9 @@ SEMI_AUTO_PARALLEL and AUTO_PARALLEL turn on operator-level tensor parallelism (
         if key == "strategy_ckpt_config" or key in _STRATEGY_CKPT_ALIASES:
             strategy_ckpt.update(_strategy_ckpt_update(key, value))  # only the entries given change
             settings["strategy_ckpt_config"] = strategy_ckpt
+        elif key == "parallel_optimizer_config":  # only the entries given change
+            settings[key] = optimizer_parallel_config.updated(
+                settings.get(key, current_world().settings[key]), value)
         else:
             _check_setting(key, value)
             settings[key] = value
@@ -234,7 +247,7 @@ def get_auto_parallel_context(key):
     if key in _STRATEGY_CKPT_ALIASES:
         return current_world().settings["strategy_ckpt_config"][_STRATEGY_CKPT_ALIASES[key]]
     value = current_world().settings[key]
-    if key == "strategy_ckpt_config":
+    if key in ("strategy_ckpt_config", "parallel_optimizer_config"):
         return dict(value)  # a copy: changing it must not change the setting
     if value is None and key == "device_num":
         return get_group_size()

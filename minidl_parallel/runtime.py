@@ -7,19 +7,26 @@ was built is the mode its next ``train`` runs in:
 
 - operators and Cells run through the tensor-parallel dispatcher under SEMI_AUTO_PARALLEL /
   AUTO_PARALLEL, and locally otherwise;
-- ``Model.train`` gets a DistributedGradReducer under DATA_PARALLEL;
+- ``Model.train`` gets a DistributedGradReducer under DATA_PARALLEL (an OptimizerParallelReducer
+  with ``enable_parallel_optimizer``, whose sliced weights the outermost Cell call gathers);
 - the rank and world size come from the world's communicator;
 - sharded tensors become whole (checkpoints) and whole values become blocks (loading,
   optimizer state) through tensor_parallel/parameters.py;
 - metric sums, shared decisions and gathered small values are small collectives over the world;
 - training steps are collective (``trains_in_lockstep``) in every mode but STAND_ALONE.
 """
+import threading
+import weakref
+
 import numpy
 
+from minidl.backend import get_array_module
 from minidl.runtime import Runtime
 
 from . import context
 from .grad_reducer import DistributedGradReducer
+from .optimizer_parallel import slices
+from .optimizer_parallel.reducer import OptimizerParallelReducer
 from .tensor_parallel import dispatch, parameters
 
 __all__ = ["ParallelRuntime"]
@@ -38,6 +45,8 @@ class ParallelRuntime(Runtime):
     def __init__(self, world, scope="process"):
         self.world = world
         self.scope = scope
+        self._slicing = weakref.WeakSet()  # optimizer-parallel reducers whose weights Cell calls gather
+        self._cell_depth = threading.local()
 
     @property
     def intercepts_ops(self):
@@ -60,13 +69,36 @@ class ParallelRuntime(Runtime):
 
     def call_cell(self, cell, args, kwargs):
         if self._tensor_parallel():
+            if self.world.settings["enable_parallel_optimizer"]:
+                raise NotImplementedError(
+                    f"enable_parallel_optimizer=True under {self.world.settings['parallel_mode']} is not built in "
+                    f"minidl yet (it is under DATA_PARALLEL); set enable_parallel_optimizer=False")
             return dispatch.run_cell(cell, args, kwargs)
-        return cell.construct(*args, **kwargs)
+        if not self._slicing:
+            return cell.construct(*args, **kwargs)
+        depth = getattr(self._cell_depth, "value", 0)
+        if depth == 0:  # the outermost call: sliced weights become whole for this step's forward and backward
+            for reducer in list(self._slicing):
+                reducer.gather_weights()
+        self._cell_depth.value = depth + 1
+        try:
+            return cell.construct(*args, **kwargs)
+        finally:
+            self._cell_depth.value = depth
 
     def grad_reducer(self, parameters):
         settings = self.world.settings
         if settings["parallel_mode"] != context.ParallelMode.DATA_PARALLEL:
             return None
+        if settings["enable_parallel_optimizer"]:
+            reducer = OptimizerParallelReducer(
+                parameters, settings["parallel_optimizer_config"], mean=settings["gradients_mean"],
+                parameter_broadcast=settings["parameter_broadcast"],
+                backward_passes_per_step=settings["grad_accumulation_step"],
+                compression=settings["gradient_compression"],
+                gradient_predivide_factor=settings["gradient_predivide_factor"])
+            self._slicing.add(reducer)
+            return reducer
         return DistributedGradReducer(parameters, mean=settings["gradients_mean"],
                                       parameter_broadcast=settings["parameter_broadcast"],
                                       backward_passes_per_step=settings["grad_accumulation_step"],
@@ -74,13 +106,37 @@ class ParallelRuntime(Runtime):
                                       gradient_predivide_factor=settings["gradient_predivide_factor"])
 
     def full_value(self, tensor):
+        if slices.is_sliced(tensor):
+            return slices.whole(tensor)
         return parameters.whole(tensor, self.world.comm, dispatch.groups())
 
     def local_value(self, tensor, value):
+        if slices.is_sliced(tensor):
+            return slices.block_of(tensor, value)
         return parameters.block_of(tensor, value, self.world.comm.rank)
 
     def follow(self, param, buffer):
+        if slices.is_sliced(param):
+            return slices.follow(param, buffer)
         return parameters.follow(param, buffer, self.world.comm.rank)
+
+    def sum_over_slices(self, tensors, partials, who):
+        sliced = [i for i, t in enumerate(tensors) if slices.is_sliced(t)]
+        for t in tensors:
+            if t.placement is not None and not slices.is_sliced(t):
+                raise ValueError(f"{who}: parameter {getattr(t, 'name', None)!r} of shape {tuple(t.shape)} is sharded "
+                                 f"(this rank holds a tensor-parallel block of shape {tuple(t.data.shape)}, which "
+                                 f"may repeat on several ranks: its sum over ranks is not defined)")
+        if not sliced:
+            return partials
+        # One all-reduce of the sliced tensors' partial sums (every sliced tensor shares the shard group).
+        xp = get_array_module(tensors[sliced[0]].data)
+        parts = xp.stack([xp.asarray(partials[i], dtype=xp.float64) for i in sliced])
+        summed = tensors[sliced[0]].placement.comm.allreduce(parts, "sum")
+        out = list(partials)
+        for k, i in enumerate(sliced):
+            out[i] = summed[k]
+        return out
 
     def sum_over_ranks(self, values):
         values = numpy.ascontiguousarray(values, dtype=numpy.float64)

@@ -39,9 +39,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "call_site: the test checks a stack location (the file a warning names, "
                                        "a collective's call site); mutmut's trampolines add frames, so "
                                        "tools/mutation.py deselects it")
+    config.addinivalue_line("markers", "slow: a whole equivalence matrix, skipped unless MINIDL_SLOW=1 (run before "
+                                       "resolving the issue it proves; its time is in docs/testing.md)")
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("MINIDL_SLOW") != "1":
+        skip_slow = pytest.mark.skip(reason="slow matrix: run with MINIDL_SLOW=1 (before resolving an issue)")
+        for item in items:
+            if item.get_closest_marker("slow"):
+                item.add_marker(skip_slow)
     if not DEVICE_PINNED:
         return
     skip = pytest.mark.skip(reason=f"cpu_only test: MINIDL_TEST_DEVICE={TEST_DEVICE} pins the suite to the GPU")

@@ -8,6 +8,7 @@ widens a float one.
 import numbers
 
 from ..backend import get_array_module
+from ..runtime import get_runtime
 from ..tensor import Tensor
 from .array import Cast
 from .math import Add, GreaterEqual, Maximum, Minimum, Mul, RealDiv, Sqrt, Square, _as_dtype, _grad_in, promote
@@ -217,9 +218,17 @@ def clip_by_global_norm(x, clip_norm=1.0, use_norm=None):
     if use_norm is not None:
         raise ValueError(f"clip_by_global_norm: use_norm must be None (the global norm is computed), got {use_norm!r}")
     dtype = promote(*(t.data for t in x), 1.0)  # the float dtype the norm is computed in
+    parts = [ReduceSum()(Square()(t if t.dtype == dtype else Cast()(t, dtype)), ()) for t in x]
+    runtime = get_runtime()
+    held = [k for k, t in enumerate(x) if t.placement is not None]
+    if held and not runtime.placing.intercepts_ops:
+        # Ops ran on this rank's slices (optimizer parallelism): add the other ranks' squares, as a
+        # constant (the norm's gradient with respect to this rank's elements is unchanged).
+        sums = runtime.sum_over_slices([x[k] for k in held], [parts[k].data for k in held], "clip_by_global_norm")
+        for k, total_k in zip(held, sums):
+            parts[k] = Add()(parts[k], Tensor(total_k - parts[k].data))
     total = None
-    for t in x:
-        part = ReduceSum()(Square()(t if t.dtype == dtype else Cast()(t, dtype)), ())
+    for part in parts:
         total = part if total is None else Add()(total, part)
     norm = Sqrt()(total)
     clip = float(clip_norm)

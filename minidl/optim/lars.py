@@ -2,6 +2,7 @@
 import numbers
 
 from ..backend import get_array_module
+from ..runtime import get_runtime
 from .optimizer import Optimizer, _lr_at
 
 __all__ = ["LARS"]
@@ -35,8 +36,10 @@ class LARS(Optimizer):
     ``get_lr()``, ``state_dict()`` and checkpoints are the wrapped optimizer's (same names), so
     a checkpoint of ``LARS(Momentum(...))`` loads into ``Momentum(...)`` and back.
 
-    Under tensor parallelism a parameter may hold one rank's block, whose norm is not the
-    parameter's: LARS refuses such a parameter unless its filter skips it.
+    Under optimizer parallelism a parameter holds one rank's rows: the norms add the other
+    ranks' squares (one all-reduce per step for all of them). Under tensor parallelism a
+    parameter may hold one rank's block, whose norm is not the parameter's: LARS refuses such a
+    parameter unless its filter skips it.
 
     Args:
         optimizer: the Optimizer to wrap (not a LARS).
@@ -100,27 +103,23 @@ class LARS(Optimizer):
 
     def _apply(self, grads):
         grads = self._check_grads(grads)  # all checked before any parameter changes
-        for i, (p, g) in enumerate(zip(self.parameters, grads)):
-            if g is not None and self.lars_flag[i] and tuple(p.data.shape) != tuple(p.shape):
-                raise ValueError(f"{self._who}: parameter {self._keys[i]!r} of shape {tuple(p.shape)} is sharded "
-                                 f"(tensor parallel: this rank holds a block of shape {tuple(p.data.shape)}), but "
-                                 f"the trust ratio needs the whole parameter's norm; exclude it with lars_filter")
         step = self.global_step
         lrs = [_lr_at(g["lr"], step) for g in self.param_groups] if self.use_clip else None
         inv_scale = 1.0 / self.loss_scale
-        scaled = []
-        for i, (p, g) in enumerate(zip(self.parameters, grads)):
-            if g is None:
-                scaled.append(None)
+        scaled = [None if g is None else self._unscaled(i, p.data, g, inv_scale)
+                  for i, (p, g) in enumerate(zip(self.parameters, grads))]
+        squares = self._squared_norms(scaled)  # every norm before any parameter changes
+        for i, (p, g) in enumerate(zip(self.parameters, scaled)):
+            if g is None or not self.lars_flag[i]:
                 continue
             group = self._group_of[i]
             wd = self.param_groups[group]["weight_decay"] if self._decay[i] else 0.0
             lr = lrs[group] if lrs is not None else None
-            scaled.append(self._scaled_grad(i, p.data, g, wd, inv_scale, lr))
+            self._apply_trust_ratio(p.data, g, squares[i], wd, lr)
         self.optimizer._apply(scaled)
 
-    def _scaled_grad(self, i, w, g, wd, inv_scale, lr):
-        """g' of parameter i (see the class docstring), in a buffer kept for it."""
+    def _unscaled(self, i, w, g, inv_scale):
+        """g / loss_scale of parameter i, in a buffer kept for it (scaled in place later)."""
         xp = get_array_module(w)
         out = self._grads.get(i)
         if out is None or out.shape != w.shape or out.dtype != w.dtype or get_array_module(out) is not xp:
@@ -129,12 +128,38 @@ class LARS(Optimizer):
             xp.multiply(g, inv_scale, out=out)
         else:
             xp.copyto(out, g)
-        if not self.lars_flag[i]:
-            return out
-        flat_w, flat_g = w.reshape(-1), out.reshape(-1)
-        # Norms stay 0-d device values on CuPy: the ratio never visits the host.
-        w_norm = xp.sqrt(xp.dot(flat_w, flat_w))
-        g_norm = xp.sqrt(xp.dot(flat_g, flat_g))
+        return out
+
+    def _squared_norms(self, grads):
+        """{i: (||w||^2, ||g||^2)} of the scaled parameters, over the whole parameter: a parameter
+        holding one rank's slice (optimizer parallelism) adds the other ranks' sums (the runtime's
+        ``sum_over_slices``: one collective for all of them)."""
+        squares, parts, sliced = {}, [], []
+        for i, (p, g) in enumerate(zip(self.parameters, grads)):
+            if g is None or not self.lars_flag[i]:
+                continue
+            xp = get_array_module(g)
+            flat_w, flat_g = p.data.reshape(-1), g.reshape(-1)
+            # Norms stay 0-d device values on CuPy: the ratio never visits the host.
+            squares[i] = (xp.dot(flat_w, flat_w), xp.dot(flat_g, flat_g))
+            if p.placement is not None:
+                sliced.append(i)
+        if sliced:
+            tensors = [self.parameters[i] for i in sliced for _ in (0, 1)]
+            parts = [part for i in sliced for part in squares[i]]
+            try:
+                sums = get_runtime().sum_over_slices(tensors, parts, self._who)
+            except ValueError as e:
+                raise ValueError(f"{e}; the trust ratio needs the whole parameter's norm: exclude it with "
+                                 f"lars_filter") from None
+            for k, i in enumerate(sliced):
+                squares[i] = (sums[2 * k], sums[2 * k + 1])
+        return squares
+
+    def _apply_trust_ratio(self, w, out, squares, wd, lr):
+        """out = ratio * (out + wd * w), in place (see the class docstring)."""
+        xp = get_array_module(w)
+        w_norm, g_norm = xp.sqrt(squares[0]), xp.sqrt(squares[1])
         ratio = self.coefficient * w_norm / (g_norm + wd * w_norm + self.epsilon)
         if lr is not None:
             # ratio / lr clipped to [0, 1]; the wrapped optimizer multiplies by lr again.
@@ -145,7 +170,6 @@ class LARS(Optimizer):
             xp.multiply(w, wd, out=t)
             out += t
         out *= ratio
-        return out
 
     def __repr__(self):
         return (f"LARS({self.optimizer!r}, epsilon={self.epsilon!r}, coefficient={self.coefficient!r}, "

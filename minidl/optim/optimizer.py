@@ -339,12 +339,18 @@ class Optimizer:
         """Cuts buffers made (or loaded) whole like their parameters, once those hold blocks.
 
         Under tensor parallelism a parameter becomes its rank's block at its first sharded
-        use, after the optimizer was built; its state must become the same block.
+        use, after the optimizer was built (under optimizer parallelism, its rows after the
+        first reduction); its state must become the same block.
         """
         for name, buf in self._buffers.items():
             i = self._buffer_owner.get(name)
-            if i is not None and tuple(buf.data.shape) != tuple(self.parameters[i].data.shape):
-                buf.data = get_runtime().follow(self.parameters[i], buf)
+            if i is None:
+                continue
+            param = self.parameters[i]
+            # A block may have the whole shape (a rank holding every row of a small parameter): the
+            # buffer still takes the parameter's placement, or it would be saved as if whole.
+            if tuple(buf.data.shape) != tuple(param.data.shape) or (buf.placement is None and param.placement is not None):
+                buf.data = get_runtime().follow(param, buf)
 
     def _effective_grad(self, w, g, wd, inv_scale):
         """g / loss_scale + wd * w, in work buffer 0 (g itself when there is nothing to add)."""

@@ -1,0 +1,286 @@
+"""The optimizer-parallel gradient reducer (ZeRO over the data-parallel ranks).
+
+The DATA_PARALLEL runtime hands ``Model.train`` and ``nn.TrainOneStepCell`` this reducer when
+``enable_parallel_optimizer`` is on. Per optimizer step, for each parameter the plan slices:
+
+- level1: the gradient is all-reduced whole (the plain reducer's buckets), then this rank keeps
+  its rows; communication: an all-reduce plus the weights' all-gather (1.5x an all-reduce);
+- level2: the gradients are reduce-scattered (each rank receives only the sum of its rows),
+  then all-reduced across the shard groups' replicas when ``optimizer_weight_shard_size`` is
+  smaller than the world; communication: one all-reduce's worth (1x). With
+  ``gradient_accumulation_shard`` each accumulating call reduce-scatters and keeps only its rows.
+
+After the reduction the weights become their slices again (the optimizer updates slices and its
+state follows: ``Optimizer._follow_parameter_layouts``); the next call of a Cell gathers them
+(:meth:`gather_weights`, from the runtime's ``call_cell``). Parameters under
+``parallel_optimizer_threshold`` are reduced whole by a plain DistributedGradReducer.
+
+The mean's 1/degree is folded into the packing copy, as the plain reducer does, so with the same
+summation order (the threads world) level1 and level2 are bit-identical to plain data
+parallelism; MPI may sum in another order (within rounding).
+"""
+import math
+import weakref
+
+import numpy
+
+from minidl import backend
+from minidl.tensor import Tensor
+
+from ..agreement import require_same_tensors
+from ..broadcast import broadcast_tensors
+from ..buckets import DEFAULT_FUSION_BYTES
+from ..collectives import resolve_communicator
+from ..compression import Compression
+from ..grad_reducer import DistributedGradReducer
+from ..tensor_parallel.counter import record
+from ..tensor_parallel.plan import comm_bytes
+from . import slices
+
+__all__ = ["OptimizerParallelReducer"]
+
+_WHO = "OptimizerParallelReducer"
+
+
+class OptimizerParallelReducer:
+    """Reduces gradients to this rank's slices and keeps the sliced weights as slices between steps.
+
+    Args:
+        parameters: the optimizer's Parameters, in the order of ``grads``.
+        config: the ``parallel_optimizer_config`` dict (optimizer_parallel/config.py).
+        mean, compression, gradient_predivide_factor, backward_passes_per_step,
+        parameter_broadcast, fusion_bytes, comm: as DistributedGradReducer's.
+    """
+
+    collective = True
+
+    def __init__(self, parameters, config, mean=True, compression=None, gradient_predivide_factor=1.0,
+                 backward_passes_per_step=1, parameter_broadcast=False, fusion_bytes=DEFAULT_FUSION_BYTES, comm=None):
+        self.parameters = tuple(parameters)
+        self.level = config["optimizer_level"]
+        self.threshold_kb = config["parallel_optimizer_threshold"]
+        self.shard_size = config["optimizer_weight_shard_size"]
+        self.accumulation_shard = config["gradient_accumulation_shard"]
+        self.mean = mean
+        self.compression = Compression.resolve(compression, _WHO)
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.backward_passes_per_step = backward_passes_per_step
+        self.parameter_broadcast = parameter_broadcast
+        self.fusion_bytes = fusion_bytes
+        self._comm = comm if comm is None else resolve_communicator(_WHO, comm)
+        self._plan_comm = None  # weak reference to the communicator the plan was made for
+        self.placements = None  # per parameter: its OptimizerSlice, or None (kept whole)
+        self._inner = None
+        self._calls = 0
+        self._sums = {}  # parameter index -> accumulated gradient (a slice with accumulation_shard)
+        self._overflowed = False
+
+    @property
+    def comm(self):
+        return self._comm if self._comm is not None else resolve_communicator(_WHO, None)
+
+    @property
+    def degree(self):
+        return self.comm.size
+
+    # ---- the plan --------------------------------------------------------------------------
+
+    def _slices(self, param, group_size):
+        shape = tuple(param.shape)
+        nbytes = math.prod(shape) * numpy.dtype(param.dtype).itemsize
+        return group_size > 1 and len(shape) >= 1 and shape[0] >= 1 and nbytes >= self.threshold_kb * 1024
+
+    def plan(self):
+        """Makes (once per communicator) the slices, the shard groups and the reducer of the rest."""
+        comm = self.comm
+        if self._plan_comm is not None and self._plan_comm() is comm:
+            return
+        if comm.size > 1:  # every rank must slice alike, or the collectives below would not match
+            require_same_tensors(comm, _WHO, self.parameters, mean=self.mean, level=self.level,
+                                 threshold_kb=self.threshold_kb, shard_size=self.shard_size,
+                                 accumulation_shard=self.accumulation_shard,
+                                 passes=self.backward_passes_per_step)
+        groups = slices.ShardGroups(comm, self.shard_size, _WHO)
+        self._groups = groups
+        self.placements = tuple(slices.slice_for(p.shape, groups.size, groups.index, groups.group)
+                                if self._slices(p, groups.size) else None for p in self.parameters)
+        # level1 all-reduces every gradient whole; level2 only those of the parameters kept whole.
+        whole = [i for i, s in enumerate(self.placements) if s is None or self.level == "level1"]
+        self._inner_indices = whole
+        self._inner = DistributedGradReducer(
+            [self.parameters[i] for i in whole], mean=self.mean, fusion_bytes=self.fusion_bytes, comm=comm,
+            compression=self.compression, gradient_predivide_factor=self.gradient_predivide_factor,
+            backward_passes_per_step=self.backward_passes_per_step) if whole else None
+        self._plan_comm = weakref.ref(comm)
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def gather_weights(self):
+        """Makes every sliced parameter whole again (one all-gather per dtype); a collective."""
+        if self.placements is None:
+            return
+        todo = [(p, s) for p, s in zip(self.parameters, self.placements) if s is not None and slices.is_sliced(p)]
+        if not todo:
+            return
+        params, placements = zip(*todo)
+        for p, s, array in zip(params, placements, slices.gather_into(params, placements)):
+            record("allgather", s.group_size, comm_bytes("allgather", array.nbytes, s.group_size), phase="weights")
+            p.data = array
+            p.placement = None
+
+    def _slice_weights(self):
+        for p, s in zip(self.parameters, self.placements):
+            if s is not None and not slices.is_sliced(p):
+                p.data = slices.cut(p.data, s)
+                p.placement = s
+
+    # ---- gradients -------------------------------------------------------------------------
+
+    def __call__(self, grads):
+        """The reduced gradients: this rank's slice (a Tensor with the slice's placement) for a
+        sliced parameter, the whole reduced gradient for the others; None on a call that only
+        accumulates (``backward_passes_per_step``)."""
+        if isinstance(grads, Tensor) or not isinstance(grads, (list, tuple)):
+            raise TypeError(f"{_WHO}: grads must be a tuple aligned with the parameters, got {type(grads).__name__}")
+        if len(grads) != len(self.parameters):
+            raise ValueError(f"{_WHO}: got {len(grads)} gradient(s) for {len(self.parameters)} parameter(s)")
+        grads = [g.data if isinstance(g, Tensor) else g for g in grads]
+        for i, g in enumerate(grads):
+            if g is not None and tuple(g.shape) != tuple(self.parameters[i].shape):
+                raise ValueError(f"{_WHO}: gradient {i} of shape {tuple(g.shape)} does not match its parameter of "
+                                 f"shape {tuple(self.parameters[i].shape)}")
+        self.plan()
+        self._scattered_not_finite = 0.0
+        self._calls += 1
+        last = self._calls % self.backward_passes_per_step == 0
+        out = [None] * len(self.parameters)
+        inner = None
+        if self._inner is not None:
+            inner = self._inner(tuple(grads[i] for i in self._inner_indices))
+            if inner is not None:
+                for i, g in zip(self._inner_indices, inner):
+                    out[i] = g
+        if self.level == "level2":
+            self._reduce_scatter_sliced(grads, out, last)
+        if not last:
+            return None
+        self._calls = 0
+        finite = True
+        if self._rescales():
+            bad = 0.0 if self._inner is None or not self._inner.overflowed() else 1.0
+            bad += self._scattered_not_finite
+            # Each rank saw only its rows: one small all-reduce so every rank skips the step together.
+            finite = float(numpy.asarray(self.comm.allreduce(numpy.array([bad]), "sum"))[0]) == 0.0
+        self._overflowed = not finite
+        for i, s in enumerate(self.placements):
+            if s is not None:
+                g = out[i].data if isinstance(out[i], Tensor) else out[i]
+                if self.level == "level1":
+                    g = slices.cut(g, s)
+                t = Tensor(g)
+                t.placement = s
+                out[i] = t
+        self._slice_weights()
+        return tuple(out)
+
+    def _rescales(self):
+        return self.compression is not Compression.none or self.gradient_predivide_factor != 1.0
+
+    def _reduce_scatter_sliced(self, grads, out, last):
+        """level2: the sliced parameters' gradients, reduce-scattered (now, or on the k-th call)."""
+        sliced = [i for i, s in enumerate(self.placements) if s is not None]
+        if not sliced:
+            return
+        if not self.accumulation_shard:  # whole gradients summed locally; one reduce-scatter on the k-th call
+            for i in sliced:
+                if grads[i] is not None:
+                    self._sums[i] = grads[i].copy() if i not in self._sums else self._sums[i] + grads[i]
+            if not last:
+                return
+            reduced = self._scatter({i: self._sums.pop(i, None) for i in sliced})
+            for i in sliced:
+                out[i] = reduced[i]
+            return
+        reduced = self._scatter({i: grads[i] for i in sliced})
+        for i in sliced:  # the slices summed locally over the calls
+            self._sums[i] = reduced[i] if i not in self._sums else self._sums[i] + reduced[i]
+        if last:
+            for i in sliced:
+                out[i] = self._sums.pop(i)
+
+    def _scatter(self, grads):
+        """{index: whole gradient or None} -> {index: this rank's reduced rows}, per dtype in one buffer."""
+        by_dtype = {}
+        for i, g in grads.items():
+            by_dtype.setdefault(numpy.dtype(self.parameters[i].dtype).str, []).append(i)
+        result = {}
+        f = self.gradient_predivide_factor
+        for indices in by_dtype.values():
+            dtype = numpy.dtype(self.parameters[indices[0]].dtype)
+            some = next((grads[i] for i in indices if grads[i] is not None), None)
+            xp = backend.get_array_module(some if some is not None else self.parameters[indices[0]].data)
+            s0 = self.placements[indices[0]]
+            size = s0.group_size
+            widths = [self.placements[i].rows * math.prod(self.placements[i].shape[1:]) for i in indices]
+            buf = xp.zeros((size, sum(widths)), dtype=dtype)
+            if self._rescales():
+                scale = dtype.type(1.0 / f) if self.mean and f != 1.0 else None
+            else:
+                scale = dtype.type(1.0 / self.degree) if self.mean and self.degree != 1 else None
+            off = 0
+            for i, w in zip(indices, widths):
+                g = grads[i]
+                if g is not None:
+                    s = self.placements[i]
+                    # Rank r's columns receive rows [r * rows, (r + 1) * rows) of g, zero-padded.
+                    blocks = buf[:, off:off + w].reshape(size, s.rows, w // s.rows)
+                    flat = g.reshape(s.shape[0], -1)
+                    for r in range(size):
+                        lo, hi = s.bounds(r)
+                        if scale is not None:
+                            xp.multiply(flat[lo:hi], scale, out=blocks[r, :hi - lo])
+                        else:
+                            blocks[r, :hi - lo] = flat[lo:hi]
+                off += w
+            wire = self.compression.compress(xp, buf, _WHO)
+            group = s0.comm
+            record("reduce_scatter", size, comm_bytes("reduce_scatter", wire.nbytes, size), phase="gradients")
+            mine = group.reduce_scatter(wire, "sum", axis=0).reshape(-1)
+            if self._groups.replicas is not None:
+                replicas = self._groups.replicas
+                record("allreduce", replicas.size, comm_bytes("allreduce", mine.nbytes, replicas.size),
+                       phase="gradients")
+                mine = replicas.allreduce(mine, "sum")
+            if self._rescales():
+                self._scattered_not_finite += 0.0 if bool(xp.isfinite(mine).all()) else 1.0
+                reduced = xp.empty(mine.shape, dtype=dtype)
+                self.compression.decompress(xp, mine, reduced)
+                if self.mean:
+                    post = f / self.degree
+                    if post != 1.0:
+                        reduced *= dtype.type(post)
+                mine = reduced
+            off = 0
+            for i, w in zip(indices, widths):
+                s = self.placements[i]
+                lo, hi = s.bounds()
+                rows = mine[off:off + w].reshape((s.rows,) + tuple(s.shape[1:]))
+                result[i] = xp.ascontiguousarray(rows[:hi - lo]).copy()
+                off += w
+        return result
+
+    def overflowed(self):
+        """Whether the last reduction with compression (or a predivide factor) met an inf or NaN on any rank."""
+        return self._overflowed
+
+    # ---- the rest of the reducer interface ---------------------------------------------------
+
+    def broadcast_parameters(self, tensors, root=0):
+        """Rank ``root``'s values for every tensor not held as a slice (slices are per rank by design)."""
+        whole = [t for t in tensors if not slices.is_sliced(t)]
+        return broadcast_tensors(whole, root, self.comm, self.fusion_bytes, f"{_WHO}.broadcast_parameters")
+
+    def join(self, optimizer=None):
+        raise NotImplementedError(f"{_WHO}: uneven inputs (a join block, Model.train(uneven_inputs=True)) with "
+                                  f"enable_parallel_optimizer are not built: a rank without data would have to take "
+                                  f"part in the weights' all-gathers; use uneven_inputs=False")

@@ -1,0 +1,354 @@
+"""Optimizer parallelism (ZeRO) under DATA_PARALLEL, each level against plain data parallelism.
+
+Plain data parallelism is itself proven equal to one process on the global batch
+(test_data_parallel_equivalence.py); here every rank of an n-rank threads world trains the same
+shard twice, with ``enable_parallel_optimizer`` off and on, and the parameters after k steps
+must agree: bit for bit where the summation order is the same (the threads world sums in rank
+order for all-reduce and reduce-scatter alike), within float64 1e-10 relative where slicing
+changes it (LARS's norms add per-slice dot products; replica groups add twice; accumulated
+slices add after the reduction).
+"""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import minidl
+from minidl import Tensor, nn
+from minidl.dataset import NumpySlicesDataset
+from minidl.backend import to_numpy
+from minidl.runtime import get_runtime
+from minidl.train import CheckpointConfig, Model, ModelCheckpoint, latest_checkpoint
+import minidl_parallel as mp
+from minidl_parallel import run_threads
+from minidl_parallel.optimizer_parallel.slices import OptimizerSlice
+
+F64 = minidl.float64
+OPTIMIZERS = {
+    "sgd": lambda ps: nn.SGD(ps, 0.05, momentum=0.9, weight_decay=1e-3),
+    "momentum": lambda ps: nn.Momentum(ps, 0.05, 0.9),
+    "adam": lambda ps: nn.Adam(ps, 0.01, weight_decay=1e-3),
+    "adamw": lambda ps: nn.AdamWeightDecay(ps, 0.01, weight_decay=0.01),
+    "lars": lambda ps: nn.LARS(nn.Momentum(ps, 0.05, 0.9, weight_decay=1e-3), coefficient=0.02),
+}
+EXACT = {"sgd", "momentum", "adam", "adamw"}  # LARS's norms are sums of per-slice dot products
+
+
+def _net(widths):
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Dense(a, b, dtype=F64), nn.Tanh()]
+    return nn.SequentialCell(*layers[:-1])
+
+
+def _context(zero, level="level1", threshold=0, shard_size=-1, **more):
+    mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+                                 enable_parallel_optimizer=zero, **more)
+    if zero:
+        mp.set_auto_parallel_context(parallel_optimizer_config={
+            "optimizer_level": level, "parallel_optimizer_threshold": threshold,
+            "optimizer_weight_shard_size": shard_size, "gradient_accumulation_shard": level == "level2"})
+
+
+def _whole(tensor):
+    return np.array(to_numpy(get_runtime().full_value(tensor))) if tensor.is_sharded else tensor.asnumpy().copy()
+
+
+def _train(widths, seed, xs, ys, optimizer, clip=None):
+    """Trains a fresh net (the same on every rank, from the seed) on this rank's rows of each batch."""
+    minidl.set_seed(seed)
+    net = _net(widths)
+    opt = OPTIMIZERS[optimizer](net.trainable_params())
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt)
+    if clip is not None:
+        step = _ClippedStep(nn.WithLossCell(net, nn.MSELoss()), opt, clip)
+    rank, n = mp.get_rank(), mp.get_group_size()
+    per = xs.shape[1] // n
+    for x, y in zip(xs, ys):
+        step(Tensor(x[rank * per:(rank + 1) * per]), Tensor(y[rank * per:(rank + 1) * per]))
+    params = {name: _whole(p) for name, p in net.parameters_and_names()}
+    state = {name: _whole(b) for name, b in opt.parameters_and_names()}
+    layouts = {name: p.placement for name, p in net.parameters_and_names()}
+    return params, state, layouts
+
+
+class _ClippedStep(nn.TrainOneStepCell):
+    """MindSpore's pattern: reduce, clip by the global norm, update."""
+
+    def __init__(self, network, optimizer, clip):
+        super().__init__(network, optimizer)
+        self.clip = clip
+
+    def construct(self, *inputs):
+        loss, grads = self._gradients(inputs, self._reducer())
+        self.optimizer(minidl.ops.clip_by_global_norm(grads, self.clip))
+        return loss
+
+
+def _data(seed, steps, batch, widths):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((steps, batch, widths[0])), rng.standard_normal((steps, batch, widths[-1]))
+
+
+def _compare(n, widths, optimizer, steps=3, seed=0, exact=True, clip=None, per_rank=2, **zero):
+    xs, ys = _data(seed, steps, n * per_rank, widths)
+
+    def body(on):
+        def rank_body():
+            _context(on, **zero)
+            return _train(widths, seed, xs, ys, optimizer, clip)
+        return rank_body
+
+    plain = run_threads(n, body(False))
+    sliced = run_threads(n, body(True))
+    for (want_p, want_s, _), (got_p, got_s, layouts) in zip(plain, sliced):
+        for want, got in ((want_p, got_p), (want_s, got_s)):
+            assert want.keys() == got.keys()
+            for name in want:
+                if exact:
+                    np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+                else:
+                    np.testing.assert_allclose(got[name], want[name], rtol=1e-10, atol=1e-14, err_msg=name)
+    return sliced
+
+
+# ---- the CI subset: threads at n = 2 and 4, every level, two optimizers -----------------------
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("level", ["level1", "level2"])
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_each_level_equals_plain_data_parallel_bit_for_bit(n, level, optimizer):
+    sliced = _compare(n, (3, 7, 5, 2), optimizer, level=level)
+    for rank, (_, _, layouts) in enumerate(sliced):
+        # Every parameter is sliced (threshold 0): rank r holds rows [r*c, (r+1)*c) of (7, 3).
+        placement = layouts["0.weight"]
+        assert isinstance(placement, OptimizerSlice) and placement.index == rank
+        assert placement.bounds() == (min(rank * math.ceil(7 / n), 7), min((rank + 1) * math.ceil(7 / n), 7))
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_every_optimizer_under_level2(optimizer):
+    _compare(3, (4, 5, 3), optimizer, level="level2", exact=optimizer in EXACT)
+
+
+def test_level1_with_lars_at_four_ranks():
+    _compare(4, (4, 6, 2), "lars", level="level1", exact=False)
+
+
+def test_clip_by_global_norm_sums_the_squares_of_every_slice():
+    # A clip norm far below the gradients' norm: every step is scaled by the global norm, which
+    # must be the whole gradients' norm, not this rank's slices'.
+    _compare(2, (3, 6, 2), "momentum", level="level2", exact=False, clip=1e-3)
+
+
+def test_weight_shard_size_slices_within_groups_and_sums_across_them():
+    sliced = _compare(4, (3, 6, 2), "adam", level="level2", shard_size=2, exact=False)
+    for rank, (_, _, layouts) in enumerate(sliced):
+        assert layouts["0.weight"].group_size == 2 and layouts["0.weight"].index == rank % 2
+
+
+def test_threshold_keeps_small_parameters_whole():
+    # 0.weight (8, 40) float64 is 2.5 KB: sliced at 2 KB; every bias (< 1 KB) stays whole.
+    sliced = _compare(2, (40, 8, 2), "momentum", level="level2", threshold=2)
+    for _, _, layouts in sliced:
+        assert isinstance(layouts["0.weight"], OptimizerSlice)
+        assert layouts["0.bias"] is None and layouts["2.weight"] is None
+
+
+@pytest.mark.parametrize("level", ["level1", "level2"])
+def test_gradient_accumulation(level):
+    _compare(2, (3, 5, 2), "momentum", steps=4, level=level, exact=level == "level1", grad_accumulation_step=2)
+
+
+def test_level2_without_sharded_accumulation_reduce_scatters_the_local_sum():
+    xs, ys = _data(1, 4, 4, (3, 5, 2))
+
+    def body(on):
+        def rank_body():
+            _context(on, level="level2", grad_accumulation_step=2)
+            if on:  # level2 turned gradient_accumulation_shard on; turn it off again
+                mp.set_auto_parallel_context(parallel_optimizer_config={"gradient_accumulation_shard": False})
+            return _train((3, 5, 2), 1, xs, ys, "momentum")[0]
+        return rank_body
+
+    for want, got in zip(run_threads(2, body(False)), run_threads(2, body(True))):
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_fp16_compression_equals_plain_data_parallel_with_it():
+    _compare(2, (3, 6, 2), "momentum", level="level2", gradient_compression="fp16")
+
+
+# ---- memory: what a rank holds between steps -------------------------------------------------
+
+def test_weights_and_optimizer_state_between_steps_are_the_formulas_slices():
+    n, widths = 4, (5, 9, 3)
+
+    def rank_body():
+        _context(True, level="level2")
+        minidl.set_seed(0)
+        net = _net(widths)
+        opt = nn.Adam(net.trainable_params(), 0.01)
+        step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt)
+        x = np.ones((2, widths[0]))
+        step(Tensor(x), Tensor(np.ones((2, widths[-1]))))
+        rank = mp.get_rank()
+        expected = 0
+        for p in net.trainable_params():
+            rows = math.ceil(p.shape[0] / n)
+            held = max(0, min(p.shape[0], (rank + 1) * rows) - rank * rows)
+            expected += held * math.prod(p.shape[1:]) * 8
+        weights = sum(p.data.nbytes for p in net.trainable_params())
+        moments = sum(b.data.nbytes for name, b in opt.parameters_and_names() if name.startswith("moment"))
+        return weights, moments, expected
+
+    for weights, moments, expected in run_threads(n, rank_body):
+        assert weights == expected
+        assert moments == 2 * expected  # moment1 and moment2, sliced like their parameter
+
+
+# ---- checkpoints: whole tensors, resumable at another world size -----------------------------
+
+def _model_run(directory, n_steps_stop=None, resume=None, zero=True):
+    """Model.train on this rank's shard with ModelCheckpoint; returns whole parameters and state."""
+    _context(zero, level="level2")
+    rank, size = mp.get_rank(), mp.get_group_size()
+    minidl.set_seed(3)
+    net = _net((4, 6, 2))
+    opt = nn.Adam(net.trainable_params(), 0.01)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((16, 4)), rng.standard_normal((16, 2))
+    ds = NumpySlicesDataset({"x": x, "y": y}, shuffle=False, num_shards=size, shard_id=rank).batch(8 // size)
+    callbacks = []
+    if directory is not None:
+        config = CheckpointConfig(save_checkpoint_steps=1, keep_checkpoint_max=10)
+        callbacks.append(ModelCheckpoint(prefix="net", directory=str(directory), config=config))
+    if n_steps_stop is not None:
+        callbacks.append(_StopAt(n_steps_stop))
+    Model(net, nn.MSELoss(), opt).train(2, ds, callbacks=callbacks, progress=False, resume_from=resume)
+    return {name: _whole(p) for name, p in net.parameters_and_names()}, \
+        {name: _whole(b) for name, b in opt.parameters_and_names()}
+
+
+class _StopAt(minidl.train.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_step_end(self, run_context):
+        if run_context.original_args().cur_step_num >= self.step:
+            run_context.request_stop()
+
+
+def test_a_sliced_run_saves_whole_tensors_and_resumes_at_another_world_size(tmp_path):
+    want_params, want_state = run_threads(2, lambda: _model_run(None, zero=False))[0]
+    run_threads(4, lambda: _model_run(tmp_path / "ckpt", n_steps_stop=2))
+    path = latest_checkpoint(str(tmp_path / "ckpt"), prefix="net")  # rank 0's: every rank saved the same tensors
+    saved = minidl.load_checkpoint(path)
+    assert tuple(saved["0.weight"].shape) == (6, 4)  # whole, not rank 0's rows
+    assert tuple(saved["moment1.0.weight"].shape) == (6, 4)
+    for params, state in run_threads(2, lambda: _model_run(None, resume=path)):
+        for name in want_params:
+            np.testing.assert_allclose(params[name], want_params[name], rtol=1e-10, atol=1e-14, err_msg=name)
+        for name in want_state:
+            np.testing.assert_allclose(state[name], want_state[name], rtol=1e-10, atol=1e-14, err_msg=name)
+
+
+# ---- configuration: MindSpore's keys and rules, and what minidl refuses ----------------------
+
+def test_config_defaults_and_mindspore_rules():
+    def rank_body():
+        assert mp.get_auto_parallel_context("enable_parallel_optimizer") is False
+        assert mp.get_auto_parallel_context("parallel_optimizer_config") == {
+            "gradient_accumulation_shard": False, "parallel_optimizer_threshold": 64,
+            "optimizer_weight_shard_size": -1, "optimizer_level": "level1"}
+        mp.set_auto_parallel_context(parallel_optimizer_config={"optimizer_level": "level2"})
+        assert mp.get_auto_parallel_context("parallel_optimizer_config")["gradient_accumulation_shard"] is True
+        with pytest.raises(ValueError, match="gradient_accumulation_shard is True, which needs optimizer_level "
+                                             "'level2', got 'level1'"):
+            mp.set_auto_parallel_context(parallel_optimizer_config={"optimizer_level": "level1"})
+        with pytest.raises(ValueError, match="unknown key"):
+            mp.set_auto_parallel_context(parallel_optimizer_config={"level": "level1"})
+        with pytest.raises(ValueError, match="parallel_optimizer_threshold'\\] must be an int >= 0"):
+            mp.set_auto_parallel_context(parallel_optimizer_config={"parallel_optimizer_threshold": -1})
+        with pytest.raises(ValueError, match="must be -1 .* or an int >= 1, got 0"):
+            mp.set_auto_parallel_context(parallel_optimizer_config={"optimizer_weight_shard_size": 0})
+        with pytest.raises(NotImplementedError, match="level3"):
+            mp.set_auto_parallel_context(parallel_optimizer_config={"optimizer_level": "level3"})
+        with pytest.raises(ValueError, match="enable_parallel_optimizer must be True or False"):
+            mp.set_auto_parallel_context(enable_parallel_optimizer=1)
+        config = mp.get_auto_parallel_context("parallel_optimizer_config")
+        config["optimizer_level"] = "changed"  # a copy: the setting does not change
+        assert mp.get_auto_parallel_context("parallel_optimizer_config")["optimizer_level"] == "level2"
+
+    run_threads(1, rank_body)
+
+
+def test_a_shard_size_that_does_not_divide_the_world_raises_on_every_rank():
+    def rank_body():
+        _context(True, shard_size=3)
+        return _train((3, 4, 2), 0, *_data(0, 1, 4, (3, 4, 2)), "momentum")
+
+    with pytest.raises(ValueError, match=r"optimizer_weight_shard_size'\] = 3 must divide the data-parallel world "
+                                         r"size 4"):
+        run_threads(4, rank_body)
+
+
+def test_tensor_parallel_modes_refuse_it():
+    def rank_body():
+        mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.SEMI_AUTO_PARALLEL, enable_parallel_optimizer=True)
+        _net((3, 2))(Tensor(np.ones((2, 3))))
+
+    with pytest.raises(NotImplementedError, match="enable_parallel_optimizer=True under semi_auto_parallel"):
+        run_threads(2, rank_body)
+
+
+def test_uneven_inputs_refuse_it():
+    def rank_body():
+        _context(True)
+        minidl.set_seed(0)
+        net = _net((3, 2))
+        ds = NumpySlicesDataset({"x": np.ones((4, 3)), "y": np.ones((4, 2))}, shuffle=False).batch(2)
+        Model(net, nn.MSELoss(), nn.Momentum(net.trainable_params(), 0.1, 0.9)).train(
+            1, ds, progress=False, uneven_inputs=True)
+
+    with pytest.raises(NotImplementedError, match="uneven inputs .* with enable_parallel_optimizer"):
+        run_threads(2, rank_body)
+
+
+# ---- the property: models, sizes, steps drawn by hypothesis ----------------------------------
+
+@settings(deadline=None)
+@given(n=st.sampled_from([1, 2, 3, 4]), widths=st.lists(st.integers(1, 9), min_size=2, max_size=4),
+       level=st.sampled_from(["level1", "level2"]), optimizer=st.sampled_from(sorted(OPTIMIZERS)),
+       threshold=st.sampled_from([0, 1]), steps=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
+def test_drawn_models_equal_plain_data_parallel(n, widths, level, optimizer, threshold, steps, seed):
+    _compare(n, tuple(widths), optimizer, steps=steps, seed=seed, exact=optimizer in EXACT, level=level,
+             threshold=threshold)
+
+
+# ---- the whole matrix (MINIDL_SLOW=1): every level, optimizer and world size, shard groups --------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("level", ["level1", "level2"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("shard_size", [-1, 2])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_whole_matrix(n, level, optimizer, shard_size, accumulation):
+    if shard_size != -1 and n % shard_size:
+        pytest.skip("the shard size must divide the world")
+    exact = optimizer in EXACT and (shard_size == -1 or shard_size == n) and (level == "level1" or accumulation == 1)
+    _compare(n, (5, 9, 3, 2), optimizer, steps=4, exact=exact, level=level, shard_size=shard_size,
+             grad_accumulation_step=accumulation)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None)
+@given(n=st.sampled_from([1, 2, 3, 4]), widths=st.lists(st.integers(1, 12), min_size=2, max_size=5),
+       level=st.sampled_from(["level1", "level2"]), optimizer=st.sampled_from(sorted(OPTIMIZERS)),
+       threshold=st.sampled_from([0, 1]), steps=st.integers(1, 4), seed=st.integers(0, 2 ** 16))
+def test_drawn_models_equal_plain_data_parallel_thoroughly(n, widths, level, optimizer, threshold, steps, seed):
+    _compare(n, tuple(widths), optimizer, steps=steps, seed=seed, exact=optimizer in EXACT, level=level,
+             threshold=threshold)

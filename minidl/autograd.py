@@ -128,7 +128,9 @@ def run_backward(root, gy, targets=None, on_leaf_ready=None, retain_graph=False)
             gx = in_grads[position]
             if gx is None:
                 continue
-            if gx.shape != parent.data.shape:
+            # (A parameter held as one rank's rows between uses, optimizer parallelism's level3,
+            # gets its whole gradient: the reducer reduce-scatters it.)
+            if gx.shape != parent.data.shape and (parent.placement is None or gx.shape != parent.shape):
                 raise RuntimeError(f"{type(node).__name__}.backward returned a gradient of shape "
                                    f"{tuple(gx.shape)} for an input of shape {parent.shape}")
             key = id(parent)

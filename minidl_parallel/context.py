@@ -11,7 +11,7 @@ import sys
 
 from minidl.runtime import get_runtime
 
-from .optimizer_parallel import config as optimizer_parallel_config
+from . import optimizer_parallel_config
 
 __all__ = ["get_rank", "get_group_size", "get_local_rank", "get_local_rank_size",
            "get_communicator", "is_initialized", "launched_under_mpi", "ParallelMode", "set_auto_parallel_context",

@@ -22,10 +22,11 @@ import numpy
 
 from minidl.backend import get_array_module
 from minidl.runtime import Runtime
+from minidl.tensor import Parameter
 
 from . import context
 from .grad_reducer import DistributedGradReducer
-from .optimizer_parallel import slices
+from .optimizer_parallel import level3, slices
 from .optimizer_parallel.reducer import OptimizerParallelReducer
 from .tensor_parallel import dispatch, parameters
 
@@ -65,6 +66,11 @@ class ParallelRuntime(Runtime):
     def call_op(self, prim, args):
         if self._tensor_parallel():
             return dispatch.run_op(prim, args)
+        if self._slicing:
+            # (Only trainable weights: a reduced gradient's slice, clip_by_global_norm's input, stays one.)
+            sliced = [a for a in args if type(a) is Parameter and a.requires_grad and slices.is_sliced(a)]
+            if sliced:  # a weight read outside the cell that owns it (a tied head at level3): whole for this op
+                return level3.with_whole(sliced, prim.apply, args)
         return prim.apply(*args)
 
     def call_cell(self, cell, args, kwargs):
@@ -76,6 +82,8 @@ class ParallelRuntime(Runtime):
             return dispatch.run_cell(cell, args, kwargs)
         if not self._slicing:
             return cell.construct(*args, **kwargs)
+        if any(reducer.level == "level3" for reducer in self._slicing):
+            return level3.call_cell(cell, args, kwargs)
         depth = getattr(self._cell_depth, "value", 0)
         if depth == 0:  # the outermost call: sliced weights become whole for this step's forward and backward
             for reducer in list(self._slicing):

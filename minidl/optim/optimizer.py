@@ -348,8 +348,11 @@ class Optimizer:
                 continue
             param = self.parameters[i]
             # A block may have the whole shape (a rank holding every row of a small parameter): the
-            # buffer still takes the parameter's placement, or it would be saved as if whole.
-            if tuple(buf.data.shape) != tuple(param.data.shape) or (buf.placement is None and param.placement is not None):
+            # whole buffer still takes the parameter's placement, or it would be saved as if whole.
+            # (A buffer made after its parameter was cut is a block already, without a placement.)
+            whole_unplaced = (buf.placement is None and param.placement is not None
+                              and tuple(buf.data.shape) == tuple(param.shape))
+            if tuple(buf.data.shape) != tuple(param.data.shape) or whole_unplaced:
                 buf.data = get_runtime().follow(param, buf)
 
     def _effective_grad(self, w, g, wd, inv_scale):

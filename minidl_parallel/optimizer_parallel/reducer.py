@@ -8,11 +8,13 @@ The DATA_PARALLEL runtime hands ``Model.train`` and ``nn.TrainOneStepCell`` this
 - level2: the gradients are reduce-scattered (each rank receives only the sum of its rows),
   then all-reduced across the shard groups' replicas when ``optimizer_weight_shard_size`` is
   smaller than the world; communication: one all-reduce's worth (1x). With
-  ``gradient_accumulation_shard`` each accumulating call reduce-scatters and keeps only its rows.
+  ``gradient_accumulation_shard`` each accumulating call reduce-scatters and keeps only its rows;
+- level3: as level2, and each cell's weights are whole only while the cell runs
+  (optimizer_parallel/level3.py): 1.5x.
 
 After the reduction the weights become their slices again (the optimizer updates slices and its
 state follows: ``Optimizer._follow_parameter_layouts``); the next call of a Cell gathers them
-(:meth:`gather_weights`, from the runtime's ``call_cell``). Parameters under
+(:meth:`gather_weights`, from the runtime's ``call_cell``; at level3 each cell gathers its own). Parameters under
 ``parallel_optimizer_threshold`` are reduced whole by a plain DistributedGradReducer.
 
 The mean's 1/degree is folded into the packing copy, as the plain reducer does, so with the same
@@ -47,7 +49,7 @@ class OptimizerParallelReducer:
 
     Args:
         parameters: the optimizer's Parameters, in the order of ``grads``.
-        config: the ``parallel_optimizer_config`` dict (optimizer_parallel/config.py).
+        config: the ``parallel_optimizer_config`` dict (minidl_parallel/optimizer_parallel_config.py).
         mean, compression, gradient_predivide_factor, backward_passes_per_step,
         parameter_broadcast, fusion_bytes, comm: as DistributedGradReducer's.
     """
@@ -123,8 +125,7 @@ class OptimizerParallelReducer:
         if not todo:
             return
         params, placements = zip(*todo)
-        for p, s, array in zip(params, placements, slices.gather_into(params, placements)):
-            record("allgather", s.group_size, comm_bytes("allgather", array.nbytes, s.group_size), phase="weights")
+        for p, array in zip(params, slices.gather_into(params, placements, phase="weights")):
             p.data = array
             p.placement = None
 
@@ -160,7 +161,7 @@ class OptimizerParallelReducer:
             if inner is not None:
                 for i, g in zip(self._inner_indices, inner):
                     out[i] = g
-        if self.level == "level2":
+        if self.level != "level1":
             self._reduce_scatter_sliced(grads, out, last)
         if not last:
             return None

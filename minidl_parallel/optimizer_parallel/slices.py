@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 from minidl import backend
 
+from ..tensor_parallel.counter import record
+from ..tensor_parallel.plan import comm_bytes
+
 __all__ = ["OptimizerSlice", "is_sliced", "slice_for", "whole", "block_of", "follow", "gather_into",
            "ShardGroups"]
 
@@ -66,8 +69,9 @@ def _padded(array, rows):
     return out
 
 
-def gather_into(tensors, placements):
-    """Every tensor's whole value from the slices of its group (one all-gather per dtype and group)."""
+def gather_into(tensors, placements, phase=None):
+    """Every tensor's whole value from the slices of its group (one all-gather per dtype and group),
+    each all-gather reported to the CommCounter in ``phase`` when one is given."""
     batches = {}
     for t, placement in zip(tensors, placements):
         batches.setdefault((id(placement.comm), t.data.dtype.str), []).append((t, placement))
@@ -76,6 +80,8 @@ def gather_into(tensors, placements):
         comm = batch[0][1].comm
         xp = backend.get_array_module(batch[0][0].data)
         flat = xp.concatenate([_padded(t.data, p.rows).reshape(-1) for t, p in batch])
+        if phase is not None:
+            record("allgather", comm.size, comm_bytes("allgather", flat.nbytes, comm.size), phase=phase)
         gathered = comm.allgather(flat).reshape(comm.size, flat.size)
         off = 0
         for t, p in batch:

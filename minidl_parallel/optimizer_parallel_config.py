@@ -1,7 +1,8 @@
 """``parallel_optimizer_config``: MindSpore 2.10's keys, defaults and rules, checked when set.
 
 - ``optimizer_level``: "level1" (weights and optimizer state kept as slices), "level2" (also the
-  gradients: reduce-scattered, and accumulated as slices), "level3" (not built: it raises).
+  gradients: reduce-scattered, and accumulated as slices), "level3" (also the weights released
+  after each cell's forward and gathered again for its backward).
 - ``parallel_optimizer_threshold``: in KB; a parameter of fewer bytes stays whole (default 64).
 - ``optimizer_weight_shard_size``: the ranks one parameter is sliced over (-1: every
   data-parallel rank); it must divide the world size.
@@ -53,13 +54,12 @@ def updated(current, value):
     if level is not None:
         if level not in LEVELS:
             raise ValueError(f"{_WHO}['optimizer_level'] must be one of {LEVELS}, got {level!r}")
-        if level == "level3":
-            raise NotImplementedError(f"{_WHO}: optimizer_level 'level3' (weights released after forward and "
-                                      f"gathered again for backward) is not built in minidl; use 'level1' or 'level2'")
         if new["gradient_accumulation_shard"] and level != "level2":
             raise ValueError(f"{_WHO}: gradient_accumulation_shard is True, which needs optimizer_level 'level2', "
                              f"got {level!r}; set gradient_accumulation_shard=False first")
         if level == "level2":
             new["gradient_accumulation_shard"] = True
+        if level == "level3":
+            new["gradient_accumulation_shard"] = False
         new["optimizer_level"] = level
     return new

@@ -1,0 +1,58 @@
+"""level3: a cell's sliced weights are whole only while that cell runs, in forward and in backward.
+
+MindSpore's level3 releases the weights gathered for forward and gathers them again before
+backward. In minidl the ops of a cell keep what their backward reads (the weights among it), so
+releasing a weight after forward frees nothing unless the cell keeps nothing: each cell that owns
+sliced parameters runs as a recomputed cell (minidl/nn/recompute.py) whose forward and whose
+re-run in backward each gather the cell's weights and give them back when they end. A step
+therefore all-gathers every sliced weight twice (forward and backward) and reduce-scatters its
+gradient once: 1.5x an all-reduce, as ZeRO-3; it also runs those cells' forward twice (the cost
+recompute states), which MindSpore's graph compiler avoids.
+
+A weight read by an op outside the cell that owns it (GPT's head tied to the token embedding,
+read in the GPT cell's construct) is gathered for that op alone (:func:`with_whole`, from the
+runtime's ``call_op``), at any level: the op keeps the whole array for its backward.
+"""
+import contextlib
+
+from minidl.nn.recompute import run_recomputed
+
+from . import slices
+
+__all__ = ["call_cell", "with_whole"]
+
+
+def _own_sliced(cell):
+    """The cell's own parameters (not its sub-cells') now held as slices."""
+    return [p for p in cell.__dict__.get("_params", {}).values() if slices.is_sliced(p)]
+
+
+@contextlib.contextmanager
+def _gathered(params):
+    """The params whole inside the block, their slices back (the same arrays) after it."""
+    placements = [p.placement for p in params]
+    kept = [p.data for p in params]
+    for p, array in zip(params, slices.gather_into(params, placements, phase="weights")):
+        p.data = array
+        p.placement = None
+    try:
+        yield
+    finally:
+        for p, s, array in zip(params, placements, kept):
+            p.data = array
+            p.placement = s
+
+
+def with_whole(params, fn, args):
+    """``fn(*args)`` with the sliced ``params`` whole while it runs."""
+    with _gathered(params):
+        return fn(*args)
+
+
+def call_cell(cell, args, kwargs):
+    """Runs ``cell`` with its sliced weights gathered for its forward and again for its backward."""
+    own = _own_sliced(cell)
+    if not own:
+        return cell.construct(*args, **kwargs)
+    # The re-run's context holds through the cell's backward: its ops check the weights' shapes there.
+    return run_recomputed(cell, args, kwargs, lambda: (_gathered(own), _gathered(own)), through_backward=True)

@@ -3,6 +3,8 @@
     python examples/gpt_char.py                  # about 2 minutes on a 2-core laptop CPU, then a sample
     python examples/gpt_char.py --steps 50       # a quick look
     python examples/gpt_char.py --recompute --loss-scale dynamic
+    python examples/gpt_char.py --amp O2 --loss-scale dynamic --steps 50          # float16 (slow in NumPy)
+    mpirun --oversubscribe -n 4 python examples/gpt_char.py --batch 8 --zero level2   # optimizer parallel
     mpirun --oversubscribe -n 4 python examples/gpt_char.py --batch 8               # data parallel, 4 processes
     python -m minidl_parallel.run -n 4 examples/gpt_char.py --batch 8               # the same, without mpirun
 
@@ -28,9 +30,18 @@ less activation memory for one more forward of each block, and the same losses a
 bit for bit. ``--loss-scale fixed|dynamic`` trains through ``nn.TrainOneStepWithLossScaleCell``
 with ``minidl.amp``'s ``FixedLossScaleManager()`` / ``DynamicLossScaleManager()`` (MindSpore's
 defaults); in float32 with no overflow (powers of 2) that equals ``none`` bit for bit, and the
-last line says the scale and how many steps were skipped. Not here yet: optimizer parallelism
-(``--zero``) and mixed precision (``--amp``), which minidl does not have yet (issue 31).
+last line says the scale and how many steps were skipped. ``--amp O1|O2|O3|auto`` casts the
+network with ``minidl.amp.auto_mixed_precision`` (float16 compute, float32 master weights; on the
+CPU NumPy's float16 is slow: the point there is the numbers, the GPU makes it fast).
+
+``--zero level1|level2|level3`` (with several ranks) turns on optimizer parallelism
+(``enable_parallel_optimizer``, MindSpore's ``parallel_optimizer_config``): each rank keeps its
+rows of the weights and of AdamWeightDecay's state between steps (and at level2/3 receives only
+its rows of the gradients), with the same losses as plain data parallelism (bit for bit with
+threads). The end (sampling and ``--save`` on rank 0) runs inside
+``minidl_parallel.summon_full_params(net)``, which every rank enters.
 """
+import contextlib
 import argparse
 import os
 import time
@@ -98,20 +109,29 @@ def parse_args(argv=None):
     parser.add_argument("--recompute", action="store_true", help="recompute each Transformer block in backward")
     parser.add_argument("--loss-scale", choices=sorted(LOSS_SCALES), default="none",
                         help="train through nn.TrainOneStepWithLossScaleCell with this minidl.amp manager")
+    parser.add_argument("--amp", choices=["O0", "O1", "O2", "O3", "auto"], default="O0",
+                        help="minidl.amp.auto_mixed_precision level (float16)")
+    parser.add_argument("--zero", choices=["level1", "level2", "level3"],
+                        help="optimizer parallelism at this level (data parallel runs only)")
+    parser.add_argument("--zero-threshold", type=int, default=64,
+                        help="with --zero: parameters under this many KB stay whole (parallel_optimizer_threshold)")
     parser.add_argument("--save", help="write the network's parameters here at the end (rank 0)")
     parser.add_argument("--parallel", choices=["auto", "none"], default="auto",
                         help="auto: data parallel when launched by mpirun / minidl_parallel.run or inside an "
                              "initialised world (needs minidl_parallel); none: never")
     args = parser.parse_args(argv)
+    if args.zero_threshold < 0:
+        parser.error(f"--zero-threshold must be >= 0, got {args.zero_threshold}")
     for name in ("steps", "batch", "block", "layers", "heads", "embd", "eval_every"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     return args
 
 
-def setup_parallel(mode):
+def setup_parallel(mode, zero=None, threshold_kb=64):
     """Joins the world when launched by mpirun (mode auto) and turns on data parallelism in it, or in
-    the world already joined (run_threads); returns (rank, ranks)."""
+    the world already joined (run_threads), with optimizer parallelism at level ``zero``; returns
+    (rank, ranks)."""
     if mode == "none":
         return 0, 1
     try:
@@ -125,8 +145,21 @@ def setup_parallel(mode):
         mp.init()
     # The step cell asks the runtime for this mode's gradient reducer at its first step.
     mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL, gradients_mean=True,
-                                 parameter_broadcast=True)
+                                 parameter_broadcast=True, enable_parallel_optimizer=zero is not None)
+    if zero is not None:
+        # gradient_accumulation_shard goes with level2 (MindSpore's rule)
+        mp.set_auto_parallel_context(parallel_optimizer_config={"gradient_accumulation_shard": zero == "level2",
+                                                                "optimizer_level": zero,
+                                                                "parallel_optimizer_threshold": threshold_kb})
     return mp.get_rank(), mp.get_group_size()
+
+
+def whole_network(net, ranks):
+    """The block in which rank 0 may use the whole network alone (every rank enters it)."""
+    if ranks == 1:
+        return contextlib.nullcontext()
+    import minidl_parallel as mp
+    return mp.summon_full_params(net)
 
 
 def mean_over_ranks(value, ranks):
@@ -137,7 +170,9 @@ def mean_over_ranks(value, ranks):
 def main(argv=None):
     """Trains and samples; returns ``{"losses": {step: (train, held-out)}, "params": {name: array}}``."""
     args = parse_args(argv)
-    rank, ranks = setup_parallel(args.parallel)
+    rank, ranks = setup_parallel(args.parallel, args.zero, args.zero_threshold)
+    if args.zero and ranks == 1:
+        print(f"--zero {args.zero}: one process, nothing to slice over; training without it", flush=True)
 
     def say(message):
         """This script's messages: once per job, from rank 0."""
@@ -154,7 +189,9 @@ def main(argv=None):
         for block in net.blocks:
             block.recompute()
     opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=args.lr, weight_decay=0.01)
-    with_loss = nn.WithLossCell(net, NextCharLoss(vocab))
+    # (the cast network shares net's parameters: the optimizer updates float32 master weights)
+    cast = net if args.amp == "O0" else amp.auto_mixed_precision(net, args.amp)
+    with_loss = nn.WithLossCell(cast, NextCharLoss(vocab))
     manager = LOSS_SCALES[args.loss_scale]
     if manager is None:
         train_step = nn.TrainOneStepCell(with_loss, opt)
@@ -185,14 +222,16 @@ def main(argv=None):
     if manager is not None:
         say(f"loss scale {float(train_step.scale_sense.asnumpy().reshape(-1)[0]):g}, "
             f"{skipped} of {args.steps} steps skipped (overflow)")
-    if args.save and rank == 0:
-        minidl.save_checkpoint(net, args.save)
-    if args.sample and rank == 0:
-        prompt = data.train[:args.block // 2][None]
-        out = net.generate(Tensor(prompt), args.sample, temperature=0.8, top_k=10)
-        print("--- sample ---")
-        print(data.decode(out[0]), flush=True)
-    return {"losses": losses, "params": {p.name: p.asnumpy() for p in net.trainable_params()}}
+    with whole_network(net, ranks):  # optimizer parallelism: every weight whole in here, on every rank
+        if args.save and rank == 0:
+            minidl.save_checkpoint(net, args.save)
+        if args.sample and rank == 0:
+            prompt = data.train[:args.block // 2][None]
+            out = net.generate(Tensor(prompt), args.sample, temperature=0.8, top_k=10)
+            print("--- sample ---")
+            print(data.decode(out[0]), flush=True)
+        params = {p.name: p.asnumpy() for p in net.trainable_params()}
+    return {"losses": losses, "params": params}
 
 
 if __name__ == "__main__":

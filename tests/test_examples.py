@@ -121,6 +121,28 @@ def test_gpt_char_recompute_and_loss_scaling_change_nothing_bit_for_bit():
             assert np.array_equal(run["params"][name], value), (extra, name)
 
 
+def test_gpt_char_zero_levels_equal_plain_data_parallel_bit_for_bit():
+    gpt_char = _gpt_char()
+    tiny = GPT_TINY + ["--batch", "2"]
+    plain = run_threads(2, gpt_char.main, tiny)
+    for level in ("level1", "level2", "level3"):
+        # (the default threshold, 64 KB, would keep every parameter of the tiny model whole)
+        for want, got in zip(plain, run_threads(2, gpt_char.main, tiny + ["--zero", level, "--zero-threshold", "0"])):
+            assert got["losses"] == want["losses"], level
+            for name, value in want["params"].items():
+                assert np.array_equal(got["params"][name], value), (level, name)
+
+
+def test_gpt_char_amp_o2_stays_near_float32():
+    gpt_char = _gpt_char()
+    plain = gpt_char.main(GPT_TINY + ["--batch", "4"])
+    # (a fixed scale: the dynamic one starts at 2**24, and its first steps overflow and are skipped)
+    cast = gpt_char.main(GPT_TINY + ["--batch", "4", "--amp", "O2", "--loss-scale", "fixed"])
+    for step, (train, val) in plain["losses"].items():
+        assert cast["losses"][step] == pytest.approx((train, val), rel=0.05)
+    assert all(value.dtype == np.float32 for value in cast["params"].values())  # float32 master weights
+
+
 def test_gpt_char_rejects_bad_arguments():
     out = subprocess.run([sys.executable, "examples/gpt_char.py", "--batch", "0"], cwd=ROOT, env=ENV,
                          capture_output=True, text=True, timeout=60)
@@ -134,20 +156,22 @@ def _mpirun_gpt(tmp_path, launcher):
         from test_mpirun_training import mpirun  # its skips, root variables and one BLAS thread per rank
         save = tmp_path / "mpirun.safetensors"
         return mpirun(2, "examples/gpt_char.py", *GPT_TINY, "--batch", "2", "--sample", "5", "--recompute",
-                      "--loss-scale", "dynamic", "--save", save, timeout=120), save
+                      "--loss-scale", "dynamic", "--zero", "level3", "--zero-threshold", "0", "--save", save,
+                      timeout=120), save
     pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install 'minidl[mpi]')")
     save = tmp_path / "run.safetensors"
     env = {k: v for k, v in ENV.items() if k not in ("MINIDL_DIST_DEBUG", "MINIDL_DEVICE")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "minidl_parallel.run", "-n", "2", "--allow-run-as-root", "--timeout", "110",
            "--log-dir", str(tmp_path / "logs"), "examples/gpt_char.py", *GPT_TINY, "--batch", "2", "--sample", "5",
-           "--save", str(save)]
+           "--zero", "level2", "--zero-threshold", "0", "--save", str(save)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120), save
 
 
 @pytest.mark.cpu_only  # fresh processes: they would import the machine's own CuPy, not the device double
 @pytest.mark.parametrize("launcher", ["mpirun", "minidl_parallel.run"])
 def test_gpt_char_under_a_launcher_trains_data_parallel_as_one_process(tmp_path, launcher):
+    # (with optimizer parallelism: level3 under mpirun, level2 under the launcher; the checkpoint is whole)
     proc, save = _mpirun_gpt(tmp_path, launcher)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout

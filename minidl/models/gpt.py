@@ -101,7 +101,13 @@ class GPT(nn.Cell):
         for block in self.blocks:
             x = block(x, causal)
         x = self.flatten(self.ln_f(x), (n * t, self.n_embd))
-        logits = self.head(x, self.wte.embedding_table) if self.tie_weights else self.lm_head(x)
+        if self.tie_weights:
+            table = self.wte.embedding_table
+            if table.dtype != x.dtype:  # mixed precision: the head computes in x's type (O2 casts x, not the table)
+                table = ops.cast(table, x.dtype)
+            logits = self.head(x, table)
+        else:
+            logits = self.lm_head(x)
         return self.unflatten(logits, (n, t, self.vocab_size))
 
     def shard(self, model_parallel, data_parallel=1):

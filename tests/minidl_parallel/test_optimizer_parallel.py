@@ -427,3 +427,29 @@ def test_a_weight_read_outside_its_cell_is_whole_for_that_op(level):
     for want, got in zip(run_threads(2, body(False)), run_threads(2, body(True))):
         for name in want:
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.parametrize("level", ["level1", "level3"])
+def test_summon_full_params_lets_one_rank_use_the_whole_network(level):
+    def rank_body():
+        _context(True, level=level)
+        minidl.set_seed(0)
+        net = _net((3, 6, 2))
+        step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.Momentum(net.trainable_params(), 0.1, 0.9))
+        for _ in range(2):
+            step(Tensor(np.ones((2, 3))), Tensor(np.zeros((2, 2))))
+        whole = {name: _whole(p) for name, p in net.parameters_and_names()}
+        with mp.summon_full_params(net):
+            # rank 0 alone: no collective may run in here
+            out = net(Tensor(np.ones((1, 3)))).asnumpy() if mp.get_rank() == 0 else None
+            inside = {name: p.asnumpy().copy() for name, p in net.parameters_and_names()}
+            net.trainable_params()[0].data[...] = 0.5  # a change made inside the block is kept
+        return whole, inside, out, net.trainable_params()[0].placement, _whole(net.trainable_params()[0])
+
+    results = run_threads(2, rank_body)
+    for whole, inside, _, placement, first in results:
+        for name in whole:
+            np.testing.assert_array_equal(inside[name], whole[name])
+        assert isinstance(placement, OptimizerSlice)
+        np.testing.assert_array_equal(first, 0.5)
+    assert results[0][2].shape == (1, 2)

@@ -5,8 +5,8 @@ lifts the gradients into float16's range, and dividing them by S before the opti
 update back. Too large an S overflows (an inf or NaN in some gradient): that step is skipped and
 S shrinks. The manager holds S and the rule; ``get_update_cell()`` gives the Cell that
 ``nn.TrainOneStepWithLossScaleCell`` calls each step with the overflow flag
-(minidl/nn/loss_scale_cells.py), as MindSpore's Model does with a manager (minidl's
-``Model(..., loss_scale_manager=...)`` is not built yet: pass the step cell to Model).
+(minidl/nn/loss_scale_cells.py), as ``Model(..., amp_level=..., loss_scale_manager=...)`` does
+with a manager (as MindSpore's).
 
 MindSpore's rule (``update_loss_scale``, and the update cell, which agree step for step):
 
@@ -55,9 +55,8 @@ class FixedLossScaleManager(LossScaleManager):
         loss_scale: the scale, >= 1. Default 128.0.
         drop_overflow_update: skip the optimizer on a step whose gradients overflowed (default
             True). With False the step cell is a plain ``nn.TrainOneStepCell`` with
-            ``sens=loss_scale`` and the optimizer must divide by the scale itself (its
-            ``loss_scale`` argument in MindSpore; minidl's optimizers have none, so unscale in
-            the network or use True).
+            ``sens=loss_scale`` and the optimizer must divide by the scale itself: build it
+            with the same ``loss_scale`` (Model checks that they agree).
 
     Example:
         >>> manager = amp.FixedLossScaleManager(1024.0)

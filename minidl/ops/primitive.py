@@ -24,9 +24,15 @@ Inputs on two devices (a NumPy array or a CPU tensor given to a network whose pa
 on the GPU) fail inside the op body with CuPy's bare "Unsupported type" TypeError; ``apply``
 turns that into one that names the op, which inputs are where, and the fix
 (``_device_mix_error``).
+
+While a mixed-precision network of level O1 or "auto" runs on this thread, ``__call__`` hands the
+op to that network's cast policy instead (minidl/amp/policy.py), which casts the inputs as its
+op lists say and then runs the op as below. ``cast_policy`` holds it; the check is one
+thread-local read, the whole cost to every other op call.
 """
 import functools
 import inspect
+import threading
 import weakref
 
 import numpy
@@ -34,6 +40,15 @@ import numpy
 from .. import backend, kernel_table as kernels  # the table, not minidl/kernels/: that imports the ops
 from ..runtime import LOCAL, get_runtime
 from ..tensor import Tensor, _grad_mode
+
+
+class _CastPolicyState(threading.local):
+    # A class-level default: a miss in a threading.local's own dict then costs a class lookup,
+    # not an AttributeError (see runtime._ThreadState).
+    policy = None  # the cast policy of the O1/"auto" network running on this thread (minidl/amp), or None
+
+
+cast_policy = _CastPolicyState()
 
 
 class Primitive:
@@ -66,6 +81,9 @@ class Primitive:
         return self
 
     def __call__(self, *args):
+        policy = cast_policy.policy
+        if policy is not None:  # an O1/"auto" network is running on this thread
+            return policy.call(self, args)
         runtime = get_runtime()
         if runtime is LOCAL:
             return self.apply(*args)

@@ -30,6 +30,17 @@ Two optional parts of a reducer's interface are used when present:
   under a runtime whose ``trains_in_lockstep()`` is True); ``join(optimizer)``: a context in
   which a rank whose data ended keeps taking part with zero gradients (``uneven_inputs``).
 
+Mixed precision (MindSpore's ``amp_level`` and kwargs, its ``amp.build_train_network``): a level
+other than "O0" casts the network in place with ``amp.auto_mixed_precision`` (keep_batchnorm_fp32
+picks O2's or O3's casting for those two levels); the cast network's outputs, and so the loss, are
+float32. A loss scale manager (given, or O2's default ``DynamicLossScaleManager()``) makes the
+training network a step cell, as the one built by hand: ``nn.TrainOneStepWithLossScaleCell(
+nn.WithLossCell(cast net, loss_fn), optimizer, manager.get_update_cell())``, or for
+``FixedLossScaleManager(drop_overflow_update=False)`` ``nn.TrainOneStepCell(..., sens=loss_scale)``
+with the optimizer's ``loss_scale`` dividing it back. Such a Model trains that cell
+(``model.train_network``), which asks the runtime for its reducer and agrees on overflow across
+ranks by itself; eval and predict run the cast network.
+
 Step counts: when steps communicate, ``train``/``fit`` first gather every rank's (epochs,
 position, steps per epoch) through the runtime (one small exchange per run) and, by default,
 raise on every rank naming each rank's count: a rank that ran out of batches first would
@@ -52,6 +63,7 @@ import warnings
 
 import numpy
 
+from ..amp.build import amp_networks, check_amp_arguments
 from ..autograd import value_and_grad
 from ..dataset import Dataset
 from ..dataset.iterators import drop_padding
@@ -144,12 +156,33 @@ class Model:
             evaluation; called with every column of a row.
         eval_indexes: with eval_network, the positions of (loss, logits, label) in its
             outputs; None passes all its outputs to every metric's update.
+        amp_level: mixed precision, as MindSpore's: "O0" (default: none), "O2", "O3" (and "O1",
+            "auto" where ``amp.auto_mixed_precision`` builds them); needs the optimizer. The
+            network is cast in place (see the module doc).
+        boost_level: MindSpore's boost mode; only "O0" (none) is built: "O1"/"O2" raise
+            NotImplementedError.
         grad_reducer: ``grads -> grads``, run before the optimizer (see the module doc);
             None: the active runtime's, asked when training starts.
+        **kwargs: MindSpore's ``loss_scale_manager`` (an ``amp.LossScaleManager`` or None; O2's
+            default is ``amp.DynamicLossScaleManager()``, the other levels' None) and
+            ``keep_batchnorm_fp32`` (a bool: BatchNorm and LayerNorm stay float32 at O2/O3;
+            default True for O2, False for O3); ``boost_config_dict`` and ``acc_level`` (the
+            older name of boost_level) are accepted, as MindSpore's.
+
+    Raises:
+        ValueError: an unknown kwarg (as MindSpore's), an unknown amp_level or boost_level,
+            amp_level other than "O0" or a loss_scale_manager without an optimizer, an
+            optimizer whose ``loss_scale`` does not match the manager's.
+        NotImplementedError: boost_level "O1"/"O2" (and amp levels the amp module has not built).
+
+    Example (mixed precision):
+        >>> model = Model(net, loss_fn, nn.Momentum(net.trainable_params(), 0.1, 0.9), amp_level="O2",
+        ...               loss_scale_manager=amp.DynamicLossScaleManager(2 ** 12, 2, 1000))
+        >>> model.train(1, train_ds)  # float16 compute, float32 master weights, dynamic loss scale
     """
 
     def __init__(self, network, loss_fn=None, optimizer=None, metrics=None, eval_network=None, eval_indexes=None,
-                 grad_reducer=None):
+                 amp_level="O0", boost_level="O0", grad_reducer=None, **kwargs):
         if not _is_cell(network):
             raise TypeError(f"Model: network must be a Cell, got {type(network).__name__}")
         if loss_fn is not None and not callable(loss_fn):
@@ -172,11 +205,25 @@ class Model:
         if grad_reducer is not None and not callable(grad_reducer):
             raise TypeError(f"Model: grad_reducer must be callable (grads -> grads) or None, got "
                             f"{type(grad_reducer).__name__}")
-        self._network = network
+        self._boost_level = check_amp_arguments(amp_level, boost_level, kwargs)
+        if optimizer is None and amp_level != "O0":
+            raise ValueError(f"Model: amp_level {amp_level!r} needs the optimizer (mixed precision builds the training "
+                             f"step around it), but optimizer is None; pass optimizer=, or amp_level='O0'")
+        if optimizer is None and kwargs.get("loss_scale_manager") is not None:
+            raise ValueError("Model: the argument 'optimizer' can not be None when set 'loss_scale_manager'")
+        self._amp_level = amp_level
+        train_network = network
+        if optimizer is not None and (amp_level != "O0" or kwargs.get("loss_scale_manager") is not None):
+            network, train_network = amp_networks(network, loss_fn, optimizer, amp_level, kwargs)
+        self._network = network  # what eval and predict run (cast in place for amp)
+        self._train_network = train_network  # what a training step runs: the network, or a step cell
         self._loss_fn = loss_fn
         self._optimizer = optimizer
-        # The network is the whole step (it holds its optimizer; its reducer is its own).
-        self._network_steps = optimizer is None and loss_fn is None and _step_optimizer(network) is not None
+        # The training network is the whole step (it holds its optimizer; its reducer is its own).
+        self._network_steps = train_network is not network or (
+            optimizer is None and loss_fn is None and _step_optimizer(network) is not None)
+        if self._network_steps and train_network is not network and grad_reducer is not None:
+            train_network.grad_reducer = grad_reducer
         self._eval_network = eval_network
         self._eval_indexes = list(eval_indexes) if eval_indexes is not None else (
             [0, 1, 2] if eval_network is None else None)
@@ -187,7 +234,8 @@ class Model:
 
     @property
     def train_network(self):
-        return self._network
+        """The network a training step runs: the network, or the step cell amp built (see the module doc)."""
+        return self._train_network
 
     @property
     def predict_network(self):
@@ -233,6 +281,7 @@ class Model:
     def _build_step(self):
         net, loss_fn, who = self._network, self._loss_fn, "Model.train"
         if self._network_steps:
+            net = self._train_network
             def network_step(row):
                 out = net(*row)
                 loss = out[0] if isinstance(out, (tuple, list)) and out else out  # (loss, grads) with return_grad
@@ -389,7 +438,7 @@ class Model:
         epoch = self._check_epoch(epoch)
         if not isinstance(uneven_inputs, bool):
             raise TypeError(f"Model.train: uneven_inputs must be a bool, got {uneven_inputs!r}")
-        optimizer = _step_optimizer(self._network) if self._network_steps else self._optimizer
+        optimizer = _step_optimizer(self._train_network) if self._network_steps else self._optimizer
         if optimizer is None:
             step_hint = ("" if self._loss_fn is not None else ", or a training-step network "
                          "(nn.TrainOneStepCell(nn.WithLossCell(net, loss_fn), optimizer))")
@@ -412,7 +461,7 @@ class Model:
 
         start_epoch, skip, global_step = 0, 0, 0
         if resume_from is not None:
-            pos = restore_train_state(resume_from, self._network, optimizer)
+            pos = restore_train_state(resume_from, self._train_network, optimizer)
             if pos.batch_num != batch_num:
                 raise ValueError(f"Model.train: checkpoint {resume_from!r} was trained with {pos.batch_num} steps per "
                                  f"epoch, but train_dataset has {batch_num}; resume with the same dataset, batch "
@@ -428,13 +477,13 @@ class Model:
             self._broadcast_parameters()
 
         cb_params = CallbackParam(
-            train_network=self._network, network=self._network, optimizer=optimizer, loss_fn=self._loss_fn,
+            train_network=self._train_network, network=self._network, optimizer=optimizer, loss_fn=self._loss_fn,
             train_dataset=dataset, valid_dataset=valid_dataset, epoch_num=epoch, batch_num=batch_num,
             cur_epoch_num=start_epoch, cur_step_num=global_step, cur_step_in_epoch=skip, net_outputs=None,
             dataset_sink_mode=dataset_sink_mode, mode="train", list_callback=cbs, metrics=None, eval_results=None)
         run_context = RunContext(cb_params)
         step = self._build_step()
-        self._network.set_train(True)
+        self._train_network.set_train(True)
         with cbs:
             cbs.on_train_begin(run_context)
             for ep in range(start_epoch, epoch):
@@ -450,7 +499,7 @@ class Model:
                 stopped = run_context.get_stop_requested()
                 if valid_dataset is not None and not stopped and ((ep + 1) % valid_frequency == 0 or ep + 1 == epoch):
                     cb_params.metrics = cb_params.eval_results = self._evaluate(valid_dataset, None)
-                    self._network.set_train(True)
+                    self._train_network.set_train(True)
                 cbs.on_train_epoch_end(run_context)
                 if run_context.get_stop_requested():
                     break
@@ -497,6 +546,12 @@ class Model:
                              f"ranks that still have data (the finished ones contribute zero gradients)")
         if not uneven_inputs:
             return False
+        if self._network_steps:
+            # A rank whose data ended would have to stand in for the step cell, which also sums the
+            # overflow flag of a loss-scale step over the ranks: the join block covers Model's own step only.
+            raise ValueError(f"Model.train: uneven_inputs=True is not supported when the training network is a step "
+                             f"cell ({type(self._train_network).__name__}: Model(train_cell), or a loss_scale_manager); "
+                             f"give every rank as many batches")
         if runtime.placing.intercepts_ops or not callable(getattr(reducer, "join", None)):
             raise ValueError(f"Model.train: uneven_inputs=True needs data parallelism (a grad reducer with a join "
                              f"block, such as DistributedGradReducer), but the runtime {runtime.placing!r} gives "

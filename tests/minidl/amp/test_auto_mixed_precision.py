@@ -93,6 +93,24 @@ def test_o2_trains_a_conv_net_with_batchnorm_within_5_percent_of_float32_at_ever
     assert net16.bn.moving_mean.dtype == np.float32 and net16.block.bn2.moving_variance.dtype == np.float32
 
 
+# ResNet-20 whole (19 conv + BatchNorm layers, the Dense head), on 8 images. The CI size is 8x8:
+# the architecture is the same (global average pooling), and float16 convolutions in NumPy have
+# no BLAS, so 50 O2 steps on 32x32 images took 352 s on the 2-core AMD EPYC (float32: 4 s); that
+# size runs in the slow set (381 s). The learning rates keep the loss away from 0, where a relative
+# comparison measures float16's rounding of a vanishing number (at 8x8, lr 0.01 reached 13% at a
+# loss of 0.002): measured, the worst step was 0.6% at 8x8, lr 0.001 (loss 2.64 -> 0.096), and
+# 1.0% at 32x32, lr 0.005 (loss 2.70 -> 0.021). The 8x8 test took 12.6 s (GRAPH_MODE 16 s).
+@pytest.mark.parametrize("size, lr", [(8, 0.001), pytest.param(32, 0.005, marks=pytest.mark.slow)])
+def test_o2_trains_resnet20_within_5_percent_of_float32_at_every_step(size, lr, rng):
+    from minidl.models import resnet20
+    x = Tensor(rng.standard_normal((8, 3, size, size)).astype(np.float32))
+    y = Tensor(rng.integers(0, 10, 8).astype(np.int32))
+    losses32, losses16, net16, opt16 = train_both(lambda: resnet20(num_classes=10), x, y, steps=50, lr=lr)
+    assert_close_every_step(losses32, losses16)
+    assert not np.array_equal(losses32, losses16)
+    assert_master_weights_float32(net16, opt16)
+
+
 class ProbeDense(nn.Dense):
     """Records the dtypes its construct sees: the input and the weight it computes with."""
 
@@ -209,12 +227,6 @@ def test_recompute_and_amp_give_amps_gradients_in_either_order(m, recompute_firs
     assert type(backbone[2].construct).__name__ == "_RecomputedConstruct"  # (recompute outermost either way)
     for g_ref, g in zip(*grads):
         assert g.dtype == np.float32 and np.array_equal(g, g_ref)
-
-
-@pytest.mark.parametrize("level", ["O1", "auto"])
-def test_the_op_list_levels_raise_naming_the_level_and_the_levels_that_work(level):
-    with pytest.raises(NotImplementedError, match=rf"'{level}'.*\['O0', 'O2', 'O3'\]"):
-        amp.auto_mixed_precision(mlp(), level)
 
 
 def test_bad_arguments_raise_naming_them():

@@ -35,6 +35,7 @@ from ..buckets import DEFAULT_FUSION_BYTES
 from ..collectives import resolve_communicator
 from ..compression import Compression
 from ..grad_reducer import DistributedGradReducer
+from ..join import Join, count_ranks_with_data
 from ..tensor_parallel.counter import record
 from ..tensor_parallel.plan import comm_bytes
 from . import slices
@@ -76,6 +77,12 @@ class OptimizerParallelReducer:
         self._calls = 0
         self._sums = {}  # parameter index -> accumulated gradient (a slice with accumulation_shard)
         self._overflowed = False
+        # Uneven inputs (minidl_parallel/join.py): the open join block, whether this step's vote is
+        # still to come, and whether it came already (at the weights' gather).
+        self._joined = None
+        self._vote_before_reducing = True
+        self._voted = False
+        self._pending = None  # (nothing is ever in flight between calls: the join block checks it)
 
     @property
     def comm(self):
@@ -124,6 +131,10 @@ class OptimizerParallelReducer:
         todo = [(p, s) for p, s in zip(self.parameters, self.placements) if s is not None and slices.is_sliced(p)]
         if not todo:
             return
+        if self._joined is not None and self._vote_before_reducing and not self._voted:
+            # In a join block this step's vote comes first: a rank shadowing the step votes, then gathers.
+            count_ranks_with_data(self.comm, True)
+            self._voted = True
         params, placements = zip(*todo)
         for p, array in zip(params, slices.gather_into(params, placements, phase="weights")):
             p.data = array
@@ -151,6 +162,12 @@ class OptimizerParallelReducer:
                 raise ValueError(f"{_WHO}: gradient {i} of shape {tuple(g.shape)} does not match its parameter of "
                                  f"shape {tuple(self.parameters[i].shape)}")
         self.plan()
+        if self._joined is not None:
+            if not self._vote_before_reducing:  # shadowing a step: the others gathered the weights for it
+                self.gather_weights()
+            elif not self._voted:
+                count_ranks_with_data(self.comm, True)
+        self._voted = False
         self._scattered_not_finite = 0.0
         self._calls += 1
         last = self._calls % self.backward_passes_per_step == 0
@@ -281,7 +298,18 @@ class OptimizerParallelReducer:
         whole = [t for t in tensors if not slices.is_sliced(t)]
         return broadcast_tensors(whole, root, self.comm, self.fusion_bytes, f"{_WHO}.broadcast_parameters")
 
+    def agree_on_parameters(self):
+        """Checks (once per communicator) that every rank slices the same parameters alike (collective)."""
+        self.plan()
+
     def join(self, optimizer=None):
-        raise NotImplementedError(f"{_WHO}: uneven inputs (a join block, Model.train(uneven_inputs=True)) with "
-                                  f"enable_parallel_optimizer are not built: a rank without data would have to take "
-                                  f"part in the weights' all-gathers; use uneven_inputs=False")
+        """A join block for uneven inputs (minidl_parallel/join.py): a rank out of data shadows each
+        step's vote, the weights' gather and the reduction, then updates with ``optimizer``."""
+        if self.level == "level3":
+            raise NotImplementedError(f"{_WHO}: uneven inputs (a join block, Model.train(uneven_inputs=True)) at "
+                                      f"optimizer_level 'level3' are not built: a rank without data cannot take part "
+                                      f"in each cell's gathers; use level1 or level2")
+        if self.backward_passes_per_step > 1:
+            raise RuntimeError(f"{_WHO}: backward_passes_per_step={self.backward_passes_per_step} inside a join block "
+                               f"is not supported: a finished rank cannot tell which calls its peers reduce")
+        return Join(self, optimizer)

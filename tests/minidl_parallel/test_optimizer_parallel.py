@@ -344,17 +344,38 @@ def test_tensor_parallel_modes_refuse_it():
         run_threads(2, rank_body)
 
 
-def test_uneven_inputs_refuse_it():
-    def rank_body():
-        _context(True)
-        minidl.set_seed(0)
-        net = _net((3, 2))
-        ds = NumpySlicesDataset({"x": np.ones((4, 3)), "y": np.ones((4, 2))}, shuffle=False).batch(2)
-        Model(net, nn.MSELoss(), nn.Momentum(net.trainable_params(), 0.1, 0.9)).train(
-            1, ds, progress=False, uneven_inputs=True)
+def _uneven_run(zero, level):
+    """Model.train(uneven_inputs=True): rank r has 4 - 2r batches of 2 rows."""
+    _context(zero, level=level)
+    rank = mp.get_rank()
+    minidl.set_seed(0)
+    net = _net((3, 5, 2))
+    rng = np.random.default_rng(rank)
+    rows = 2 * (4 - 2 * rank)
+    ds = NumpySlicesDataset({"x": rng.standard_normal((rows, 3)), "y": rng.standard_normal((rows, 2))},
+                            shuffle=False).batch(2)
+    opt = nn.Adam(net.trainable_params(), 0.01)
+    Model(net, nn.MSELoss(), opt).train(2, ds, progress=False, uneven_inputs=True)
+    return {name: _whole(p) for name, p in net.parameters_and_names()}, \
+        {name: _whole(b) for name, b in opt.parameters_and_names()}
 
-    with pytest.raises(NotImplementedError, match="uneven inputs .* with enable_parallel_optimizer"):
-        run_threads(2, rank_body)
+
+@pytest.mark.parametrize("level", ["level1", "level2"])
+def test_uneven_inputs_equal_plain_data_parallel_with_them(level):
+    plain = run_threads(2, _uneven_run, False, level)
+    sliced = run_threads(2, _uneven_run, True, level)
+    for (want_p, want_s), (got_p, got_s) in zip(plain, sliced):
+        for want, got in ((want_p, got_p), (want_s, got_s)):
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    # every rank ends with the same weights: the shadowed steps updated rank 1 as rank 0
+    for name in plain[0][0]:
+        np.testing.assert_array_equal(sliced[0][0][name], sliced[1][0][name])
+
+
+def test_uneven_inputs_refuse_level3():
+    with pytest.raises(NotImplementedError, match="uneven inputs .* at optimizer_level 'level3'"):
+        run_threads(2, _uneven_run, True, "level3")
 
 
 # ---- the property: models, sizes, steps drawn by hypothesis ----------------------------------

@@ -208,8 +208,9 @@ SEMI_AUTO_PARALLEL and AUTO_PARALLEL turn on operator-level tensor parallelism (
     the gradients) over the data-parallel ranks, with ``parallel_optimizer_config`` (MindSpore's
     dict: "optimizer_level", "parallel_optimizer_threshold", "optimizer_weight_shard_size",
     "gradient_accumulation_shard"; keys not given keep their value): see
-    minidl_parallel/optimizer_parallel/. Built for DATA_PARALLEL (a minidl extension: MindSpore
-    builds it for the auto-parallel modes only).
+    minidl_parallel/optimizer_parallel/. Under SEMI_AUTO/AUTO (MindSpore's modes) each
+    tensor-parallel block is sliced over the ranks holding it; under DATA_PARALLEL (a minidl
+    extension) each whole parameter over the world.
 
     ``strategy_ckpt_config`` (MindSpore's dict: "save_file", "load_file" and
     "only_trainable_params", defaults "", "" and True; keys not given keep their value) and the

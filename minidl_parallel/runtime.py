@@ -22,7 +22,7 @@ import numpy
 
 from minidl.backend import get_array_module
 from minidl.runtime import Runtime
-from minidl.tensor import Parameter
+from minidl.tensor import Parameter, Tensor
 
 from . import context
 from .grad_reducer import DistributedGradReducer
@@ -31,6 +31,21 @@ from .optimizer_parallel.reducer import OptimizerParallelReducer
 from .tensor_parallel import dispatch, parameters
 
 __all__ = ["ParallelRuntime"]
+
+
+def _apply(prim, args):
+    return prim.apply(*args)
+
+
+def _construct(cell, args, kwargs):
+    return cell.construct(*args, **kwargs)
+
+
+def _holding(array, placement):
+    """A Tensor holding ``array`` as the block ``placement`` describes (for the tensor-parallel helpers)."""
+    t = Tensor(array)
+    t.placement = placement
+    return t
 
 
 class ParallelRuntime(Runtime):
@@ -64,24 +79,18 @@ class ParallelRuntime(Runtime):
         return self.world.comm.size
 
     def call_op(self, prim, args):
-        if self._tensor_parallel():
-            return dispatch.run_op(prim, args)
+        run = dispatch.run_op if self._tensor_parallel() else _apply
         if self._slicing:
             # (Only trainable weights: a reduced gradient's slice, clip_by_global_norm's input, stays one.)
             sliced = [a for a in args if type(a) is Parameter and a.requires_grad and slices.is_sliced(a)]
             if sliced:  # a weight read outside the cell that owns it (a tied head at level3): whole for this op
-                return level3.with_whole(sliced, prim.apply, args)
-        return prim.apply(*args)
+                return level3.with_whole(sliced, run, (prim, args))
+        return run(prim, args)
 
     def call_cell(self, cell, args, kwargs):
-        if self._tensor_parallel():
-            if self.world.settings["enable_parallel_optimizer"]:
-                raise NotImplementedError(
-                    f"enable_parallel_optimizer=True under {self.world.settings['parallel_mode']} is not built in "
-                    f"minidl yet (it is under DATA_PARALLEL); set enable_parallel_optimizer=False")
-            return dispatch.run_cell(cell, args, kwargs)
+        run = dispatch.run_cell if self._tensor_parallel() else _construct
         if not self._slicing:
-            return cell.construct(*args, **kwargs)
+            return run(cell, args, kwargs)
         if any(reducer.level == "level3" for reducer in self._slicing):
             return level3.call_cell(cell, args, kwargs)
         depth = getattr(self._cell_depth, "value", 0)
@@ -90,12 +99,22 @@ class ParallelRuntime(Runtime):
                 reducer.gather_weights()
         self._cell_depth.value = depth + 1
         try:
-            return cell.construct(*args, **kwargs)
+            return run(cell, args, kwargs)
         finally:
             self._cell_depth.value = depth
 
     def grad_reducer(self, parameters):
         settings = self.world.settings
+        if settings["enable_parallel_optimizer"] and self._tensor_parallel():
+            config = settings["parallel_optimizer_config"]
+            if config["optimizer_level"] == "level3":
+                raise NotImplementedError(
+                    f"optimizer_level 'level3' under {settings['parallel_mode']} is not built (each cell's weights "
+                    f"gathered for its forward and again for its backward runs under DATA_PARALLEL); use level1 "
+                    f"or level2")
+            reducer = OptimizerParallelReducer(parameters, config, tensor_parallel=True)
+            self._slicing.add(reducer)
+            return reducer
         if settings["parallel_mode"] != context.ParallelMode.DATA_PARALLEL:
             return None
         if settings["enable_parallel_optimizer"]:
@@ -115,23 +134,30 @@ class ParallelRuntime(Runtime):
 
     def full_value(self, tensor):
         if slices.is_sliced(tensor):
-            return slices.whole(tensor)
+            inner = tensor.placement.inner
+            array = slices.whole(tensor)  # the rows gathered: whole, or the tensor-parallel block
+            if inner is None:
+                return array
+            tensor = _holding(array, inner)
         return parameters.whole(tensor, self.world.comm, dispatch.groups())
 
     def local_value(self, tensor, value):
         if slices.is_sliced(tensor):
+            inner = tensor.placement.inner
+            if inner is not None:  # the whole value's tensor-parallel block first, then its rows
+                value = parameters.block_of(_holding(tensor.data, inner), value, self.world.comm.rank)
             return slices.block_of(tensor, value)
         return parameters.block_of(tensor, value, self.world.comm.rank)
 
     def follow(self, param, buffer):
         if slices.is_sliced(param):
-            return slices.follow(param, buffer)
+            return slices.follow(param, buffer, self.world.comm.rank)
         return parameters.follow(param, buffer, self.world.comm.rank)
 
     def sum_over_slices(self, tensors, partials, who):
         sliced = [i for i, t in enumerate(tensors) if slices.is_sliced(t)]
         for t in tensors:
-            if t.placement is not None and not slices.is_sliced(t):
+            if t.placement is not None and (not slices.is_sliced(t) or t.placement.inner is not None):
                 raise ValueError(f"{who}: parameter {getattr(t, 'name', None)!r} of shape {tuple(t.shape)} is sharded "
                                  f"(this rank holds a tensor-parallel block of shape {tuple(t.data.shape)}, which "
                                  f"may repeat on several ranks: its sum over ranks is not defined)")

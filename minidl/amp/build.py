@@ -5,7 +5,7 @@
 effect, wraps it in the step cell the manager asks for (minidl/train/model.py's module doc).
 """
 from .. import nn
-from .auto import auto_mixed_precision
+from .auto import _OutputTo32, auto_mixed_precision
 from .loss_scale import DynamicLossScaleManager, LossScaleManager
 
 __all__ = ["check_amp_arguments", "amp_networks"]
@@ -55,6 +55,10 @@ def amp_networks(network, loss_fn, optimizer, amp_level, kwargs):
         # keep_batchnorm_fp32 overrides either (O2 without it casts as O3, and O3 with it as O2).
         level = "O2" if kwargs.get("keep_batchnorm_fp32", level == "O2") else "O3"
     network = auto_mixed_precision(network, level)  # ("O0": the network itself)
+    if amp_level == "auto":
+        # "auto" may leave the output float16; MindSpore's Model casts it to float32 before the loss
+        # (_add_loss_network) and in its eval network: so does the network Model runs here.
+        network = _OutputTo32(network)
     # O2's default scale is MindSpore's (whose CPU backend refuses it; minidl's step runs it anywhere).
     manager = kwargs.get("loss_scale_manager", DynamicLossScaleManager() if amp_level == "O2" else None)
     if manager is None:

@@ -33,7 +33,7 @@ Two optional parts of a reducer's interface are used when present:
 Mixed precision (MindSpore's ``amp_level`` and kwargs, its ``amp.build_train_network``): a level
 other than "O0" casts the network in place with ``amp.auto_mixed_precision`` (keep_batchnorm_fp32
 picks O2's or O3's casting for those two levels); the cast network's outputs, and so the loss, are
-float32. A loss scale manager (given, or O2's default ``DynamicLossScaleManager()``) makes the
+float32 at every level ("auto"'s output is cast to float32, as MindSpore's Model does). A loss scale manager (given, or O2's default ``DynamicLossScaleManager()``) makes the
 training network a step cell, as the one built by hand: ``nn.TrainOneStepWithLossScaleCell(
 nn.WithLossCell(cast net, loss_fn), optimizer, manager.get_update_cell())``, or for
 ``FixedLossScaleManager(drop_overflow_update=False)`` ``nn.TrainOneStepCell(..., sens=loss_scale)``
@@ -156,9 +156,8 @@ class Model:
             evaluation; called with every column of a row.
         eval_indexes: with eval_network, the positions of (loss, logits, label) in its
             outputs; None passes all its outputs to every metric's update.
-        amp_level: mixed precision, as MindSpore's: "O0" (default: none), "O2", "O3" (and "O1",
-            "auto" where ``amp.auto_mixed_precision`` builds them); needs the optimizer. The
-            network is cast in place (see the module doc).
+        amp_level: mixed precision, as MindSpore's: "O0" (default: none), "O1", "O2", "O3",
+            "auto"; needs the optimizer. The network is cast in place (see the module doc).
         boost_level: MindSpore's boost mode; only "O0" (none) is built: "O1"/"O2" raise
             NotImplementedError.
         grad_reducer: ``grads -> grads``, run before the optimizer (see the module doc);
@@ -173,7 +172,7 @@ class Model:
         ValueError: an unknown kwarg (as MindSpore's), an unknown amp_level or boost_level,
             amp_level other than "O0" or a loss_scale_manager without an optimizer, an
             optimizer whose ``loss_scale`` does not match the manager's.
-        NotImplementedError: boost_level "O1"/"O2" (and amp levels the amp module has not built).
+        NotImplementedError: boost_level "O1"/"O2".
 
     Example (mixed precision):
         >>> model = Model(net, loss_fn, nn.Momentum(net.trainable_params(), 0.1, 0.9), amp_level="O2",

@@ -26,13 +26,13 @@ def summon_full_params(cell):
     params = [p for _, p in cell.parameters_and_names() if slices.is_sliced(p)]
     placements = [p.placement for p in params]
     if params:
-        for p, array in zip(params, slices.gather_into(params, placements, phase="weights")):
+        for p, s, array in zip(params, placements, slices.gather_into(params, placements, phase="weights")):
             p.data = array
-            p.placement = None
+            p.placement = s.inner
     try:
         yield cell
     finally:
         for p, s in zip(params, placements):
-            if p.placement is None:
+            if not slices.is_sliced(p):
                 p.data = slices.cut(p.data, s)
                 p.placement = s

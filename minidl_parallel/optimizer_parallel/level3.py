@@ -32,9 +32,9 @@ def _gathered(params):
     """The params whole inside the block, their slices back (the same arrays) after it."""
     placements = [p.placement for p in params]
     kept = [p.data for p in params]
-    for p, array in zip(params, slices.gather_into(params, placements, phase="weights")):
+    for p, s, array in zip(params, placements, slices.gather_into(params, placements, phase="weights")):
         p.data = array
-        p.placement = None
+        p.placement = s.inner
     try:
         yield
     finally:

@@ -17,6 +17,10 @@ state follows: ``Optimizer._follow_parameter_layouts``); the next call of a Cell
 (:meth:`gather_weights`, from the runtime's ``call_cell``; at level3 each cell gathers its own). Parameters under
 ``parallel_optimizer_threshold`` are reduced whole by a plain DistributedGradReducer.
 
+Under SEMI_AUTO_PARALLEL / AUTO_PARALLEL (``tensor_parallel=True``) nothing is reduced here: the
+operators' backward all-reduced each block's gradient already, and each rank keeps its rows of
+its block, sliced over the ranks holding the same block.
+
 The mean's 1/degree is folded into the packing copy, as the plain reducer does, so with the same
 summation order (the threads world) level1 and level2 are bit-identical to plain data
 parallelism; MPI may sum in another order (within rounding).
@@ -37,12 +41,21 @@ from ..compression import Compression
 from ..grad_reducer import DistributedGradReducer
 from ..join import Join, count_ranks_with_data
 from ..tensor_parallel.counter import record
+from ..context import current_world
+from ..tensor_parallel import strategy_file
+from ..tensor_parallel.dispatch import groups
 from ..tensor_parallel.plan import comm_bytes
 from . import slices
 
 __all__ = ["OptimizerParallelReducer"]
 
 _WHO = "OptimizerParallelReducer"
+
+
+def _stride(placement):
+    """MindSpore's ``opt_weight_shard_step``: the world-rank distance between two ranks of the group."""
+    ranks = placement.ranks
+    return int(ranks[1] - ranks[0]) if ranks is not None and len(ranks) > 1 else 1
 
 
 class OptimizerParallelReducer:
@@ -58,8 +71,10 @@ class OptimizerParallelReducer:
     collective = True
 
     def __init__(self, parameters, config, mean=True, compression=None, gradient_predivide_factor=1.0,
-                 backward_passes_per_step=1, parameter_broadcast=False, fusion_bytes=DEFAULT_FUSION_BYTES, comm=None):
+                 backward_passes_per_step=1, parameter_broadcast=False, fusion_bytes=DEFAULT_FUSION_BYTES, comm=None,
+                 tensor_parallel=False):
         self.parameters = tuple(parameters)
+        self.tensor_parallel = tensor_parallel
         self.level = config["optimizer_level"]
         self.threshold_kb = config["parallel_optimizer_threshold"]
         self.shard_size = config["optimizer_weight_shard_size"]
@@ -109,6 +124,13 @@ class OptimizerParallelReducer:
                                  threshold_kb=self.threshold_kb, shard_size=self.shard_size,
                                  accumulation_shard=self.accumulation_shard,
                                  passes=self.backward_passes_per_step)
+        if self.tensor_parallel:
+            self.placements = tuple(self._tensor_parallel_slice(p, comm) for p in self.parameters)
+            self._plan_comm = weakref.ref(comm)
+            # (a strategy file, when one is configured, records or checks the slices: MindSpore's fields)
+            strategy_file.record_optimizer_slices(comm, current_world().settings, {
+                p.name: (s.group_size, _stride(s)) for p, s in zip(self.parameters, self.placements) if s is not None})
+            return
         groups = slices.ShardGroups(comm, self.shard_size, _WHO)
         self._groups = groups
         self.placements = tuple(slices.slice_for(p.shape, groups.size, groups.index, groups.group)
@@ -121,6 +143,27 @@ class OptimizerParallelReducer:
             compression=self.compression, gradient_predivide_factor=self.gradient_predivide_factor,
             backward_passes_per_step=self.backward_passes_per_step) if whole else None
         self._plan_comm = weakref.ref(comm)
+
+    def _tensor_parallel_slice(self, param, comm):
+        """SEMI_AUTO / AUTO: the slice of ``param``'s tensor-parallel block over the ranks holding the
+        same block (its layout's replica axes: the data-parallel dimension), or None."""
+        tp = param.placement.inner if slices.is_sliced(param) else param.placement
+        if tp is None:  # never placed by an operator: whole on every rank
+            block, ranks = tuple(param.shape), tuple(range(comm.size))
+        else:
+            block = tuple(tp.layout.local_shape(tp.shape))
+            ranks = tuple(tp.layout.group(comm.rank, tp.layout.replica_axes()))
+        size = len(ranks) if self.shard_size == -1 else self.shard_size
+        if len(ranks) % size:
+            raise ValueError(f"{_WHO}: parallel_optimizer_config['optimizer_weight_shard_size'] = {self.shard_size} "
+                             f"must divide the {len(ranks)} ranks holding the same block of parameter {param.name!r} "
+                             f"({tp.layout if tp is not None else 'replicated'})")
+        position = ranks.index(comm.rank)
+        chunk = ranks[position - position % size:position - position % size + size]
+        if not (self._slices(param, size) and len(block) >= 1 and block[0] >= 1):
+            return None
+        return slices.slice_for(param.shape, size, chunk.index(comm.rank), groups().get(comm, chunk), inner=tp,
+                                block=block, ranks=chunk)
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -136,9 +179,9 @@ class OptimizerParallelReducer:
             count_ranks_with_data(self.comm, True)
             self._voted = True
         params, placements = zip(*todo)
-        for p, array in zip(params, slices.gather_into(params, placements, phase="weights")):
+        for p, s, array in zip(params, placements, slices.gather_into(params, placements, phase="weights")):
             p.data = array
-            p.placement = None
+            p.placement = s.inner  # whole (None), or the tensor-parallel block again
 
     def _slice_weights(self):
         for p, s in zip(self.parameters, self.placements):
@@ -157,6 +200,8 @@ class OptimizerParallelReducer:
         if len(grads) != len(self.parameters):
             raise ValueError(f"{_WHO}: got {len(grads)} gradient(s) for {len(self.parameters)} parameter(s)")
         grads = [g.data if isinstance(g, Tensor) else g for g in grads]
+        if self.tensor_parallel:
+            return self._cut_tensor_parallel(grads)
         for i, g in enumerate(grads):
             if g is not None and tuple(g.shape) != tuple(self.parameters[i].shape):
                 raise ValueError(f"{_WHO}: gradient {i} of shape {tuple(g.shape)} does not match its parameter of "
@@ -198,6 +243,24 @@ class OptimizerParallelReducer:
                 t = Tensor(g)
                 t.placement = s
                 out[i] = t
+        self._slice_weights()
+        return tuple(out)
+
+    def _cut_tensor_parallel(self, grads):
+        """SEMI_AUTO / AUTO: the operators' backward already all-reduced each block's gradient over
+        the ranks holding it: each rank keeps its rows (and the weights become their rows)."""
+        self.plan()
+        out = []
+        for p, s, g in zip(self.parameters, self.placements, grads):
+            if g is not None and tuple(g.shape) != tuple(p.data.shape):
+                raise ValueError(f"{_WHO}: the gradient of {p.name!r} has shape {tuple(g.shape)}, but the parameter "
+                                 f"holds a block of shape {tuple(p.data.shape)}")
+            if s is None or g is None:
+                out.append(None if g is None else Tensor(g))
+                continue
+            t = Tensor(slices.cut(g, s))
+            t.placement = s
+            out.append(t)
         self._slice_weights()
         return tuple(out)
 

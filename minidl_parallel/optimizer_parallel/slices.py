@@ -15,8 +15,10 @@ import math
 from dataclasses import dataclass, field
 
 from minidl import backend
+from minidl.tensor import Tensor
 
 from ..tensor_parallel.counter import record
+from ..tensor_parallel.executor import local_block
 from ..tensor_parallel.plan import comm_bytes
 
 __all__ = ["OptimizerSlice", "is_sliced", "slice_for", "whole", "block_of", "follow", "gather_into",
@@ -25,35 +27,52 @@ __all__ = ["OptimizerSlice", "is_sliced", "slice_for", "whole", "block_of", "fol
 
 @dataclass(frozen=True)
 class OptimizerSlice:
-    """The placement of a sliced tensor: the whole ``shape``, rows per rank, and this rank's index."""
+    """The placement of a sliced tensor: the whole ``shape``, rows per rank, and this rank's index.
+
+    Under tensor parallelism the rows are those of the rank's tensor-parallel block: ``inner`` is
+    the block's placement (restored when the slices are gathered) and ``block`` its shape;
+    otherwise ``inner`` is None and ``block`` the whole shape.
+    """
 
     shape: tuple
     rows: int
     group_size: int
     index: int
     comm: object = field(default=None, compare=False, repr=False)  # the shard group's communicator
+    inner: object = None
+    block: tuple = None
+    ranks: tuple = field(default=None, compare=False, repr=False)  # the group's world ranks, when known
+
+    def __post_init__(self):
+        if self.block is None:
+            object.__setattr__(self, "block", tuple(self.shape))
 
     def bounds(self, index=None):
         """(first row, end row) of rank ``index`` of the group (this rank's by default)."""
         index = self.index if index is None else index
-        lo = min(index * self.rows, self.shape[0])
-        return lo, min(lo + self.rows, self.shape[0])
+        lo = min(index * self.rows, self.block[0])
+        return lo, min(lo + self.rows, self.block[0])
 
     def __str__(self):
         lo, hi = self.bounds()
-        return f"optimizer slice {self.index} of {self.group_size}: rows [{lo}:{hi}) of {self.shape}"
+        of = f"block {self.block} ({self.inner}) of {self.shape}" if self.inner is not None else f"{self.shape}"
+        return f"optimizer slice {self.index} of {self.group_size}: rows [{lo}:{hi}) of {of}"
 
 
 def is_sliced(tensor):
     return isinstance(getattr(tensor, "placement", None), OptimizerSlice)
 
 
-def slice_for(shape, group_size, index, comm):
-    return OptimizerSlice(tuple(shape), math.ceil(shape[0] / group_size), group_size, index, comm)
+def slice_for(shape, group_size, index, comm, inner=None, block=None, ranks=None):
+    """The slice of rank ``index`` of a group of ``group_size`` (rows of ``block``, the whole shape by default)."""
+    block = tuple(shape) if block is None else tuple(block)
+    return OptimizerSlice(tuple(shape), math.ceil(block[0] / group_size), group_size, index, comm, inner, block,
+                          None if ranks is None else tuple(ranks))
 
 
 def cut(array, placement):
-    """This rank's rows of a whole ``array``, as a contiguous copy (the whole array can be freed)."""
+    """This rank's rows of ``array`` (whole, or the tensor-parallel block), as a contiguous copy
+    (the whole array can be freed)."""
     lo, hi = placement.bounds()
     xp = backend.get_array_module(array)
     return xp.ascontiguousarray(array[lo:hi]).copy()
@@ -85,34 +104,40 @@ def gather_into(tensors, placements, phase=None):
         gathered = comm.allgather(flat).reshape(comm.size, flat.size)
         off = 0
         for t, p in batch:
-            n = p.rows * math.prod(p.shape[1:])
-            blocks = gathered[:, off:off + n].reshape((comm.size * p.rows,) + tuple(p.shape[1:]))
-            wholes[id(t)] = xp.ascontiguousarray(blocks[:p.shape[0]])
+            n = p.rows * math.prod(p.block[1:])
+            blocks = gathered[:, off:off + n].reshape((comm.size * p.rows,) + tuple(p.block[1:]))
+            wholes[id(t)] = xp.ascontiguousarray(blocks[:p.block[0]])
             off += n
     return [wholes[id(t)] for t in tensors]
 
 
 def whole(tensor):
-    """The whole value of a sliced tensor (a collective over its shard group)."""
+    """The value of a sliced tensor before slicing: whole, or its tensor-parallel block (a collective
+    over its shard group)."""
     return gather_into([tensor], [tensor.placement])[0]
 
 
 def block_of(tensor, value):
-    """This rank's rows of ``value``, a whole array shaped like the tensor."""
-    array = value.data if hasattr(value, "data") and not hasattr(value, "__array_interface__") else value
-    if tuple(array.shape) != tuple(tensor.placement.shape):
+    """This rank's rows of ``value``, an array shaped like the sliced block (the whole tensor, or its
+    tensor-parallel block)."""
+    array = value.data if isinstance(value, Tensor) else value  # (a CuPy array's .data is its memory pointer)
+    if tuple(array.shape) != tuple(tensor.placement.block):
         return value  # the caller reports the shape mismatch
     return cut(array, tensor.placement)
 
 
-def follow(param, buffer):
-    """``buffer`` (whole, shaped like ``param``) cut like ``param``'s slice, and marked so (saved whole)."""
+def follow(param, buffer, rank):
+    """``buffer`` (whole, or the tensor-parallel block of ``param``) cut like ``param``'s slice, and
+    marked so (saved whole)."""
     placement = param.placement
-    if tuple(buffer.data.shape) != tuple(placement.shape):
+    data = buffer.data
+    if placement.inner is not None and tuple(data.shape) == tuple(placement.shape) != tuple(placement.block):
+        data = local_block(data, placement.inner.layout, rank)  # whole: first this rank's block
+    if tuple(data.shape) != tuple(placement.block):
         raise ValueError(f"optimizer state {buffer.name!r} has shape {tuple(buffer.data.shape)}, but its parameter "
                          f"{param.name!r} is {placement}")
     buffer.placement = placement
-    return cut(buffer.data, placement)
+    return cut(data, placement)
 
 
 class ShardGroups:

@@ -35,8 +35,11 @@ protobuf. Its parts:
   ``tensor_map`` (per tensor dimension, the device-matrix axis that cuts it counted from the
   right, as MindSpore counts, -1 for none; a list of axes, major first, when several cut it),
   ``tensor_shape`` (the whole shape), ``field`` (0: minidl has no field split), and
-  ``opt_weight_shard_step`` / ``opt_weight_shard_size`` (0 until minidl slices parameters for the
-  optimizer: the place for optimizer slices);
+  ``opt_weight_shard_size`` / ``opt_weight_shard_step``: under optimizer parallelism the number of
+  ranks a parameter's block is sliced over and the rank stride between them (0 without slicing),
+  filled in when the slices are made, after the first step's backward
+  (:func:`record_optimizer_slices`); a load file whose non-zero values differ from the run's
+  raises naming the parameter;
 - ``current_stage`` (0: no pipeline stages), and minidl's own ``format``, ``version``,
   ``parallel_mode`` and ``device_num``.
 """
@@ -57,7 +60,7 @@ from .rules.base import StrategyError
 from .tensors import get_layout
 
 __all__ = ["FORMAT", "VERSION", "begin", "running", "active", "Session", "StrategyFile", "layout_item",
-           "layout_from_item", "read", "write", "plan_of", "differences"]
+           "layout_from_item", "read", "write", "plan_of", "differences", "record_optimizer_slices"]
 
 FORMAT = "minidl strategy checkpoint"
 VERSION = 1
@@ -368,3 +371,38 @@ def begin(cell, comm, settings, device_num):
 def _mark_done(session):
     done = _tls.__dict__.setdefault("done", weakref.WeakKeyDictionary())
     done.setdefault(session.cell, set()).add(_mark(session.config, session.comm))
+
+
+def record_optimizer_slices(comm, settings, slices_by_name):
+    """Optimizer parallelism's part of the plan: ``slices_by_name`` {name: (size, step)} per sliced
+    parameter. Written into the save file (which the first call wrote) and checked against the load
+    file's non-zero entries; agreed on every rank, as the first call's check and write."""
+    config = settings["strategy_ckpt_config"]
+    outcome = None
+    try:
+        if config["load_file"]:
+            with open(config["load_file"]) as f:
+                items = json.load(f).get("parallel_layout_item", {})
+            for name, (size, step) in slices_by_name.items():
+                item = items.get(name, {})
+                want = (item.get("opt_weight_shard_size", 0), item.get("opt_weight_shard_step", 0))
+                if want[0] and want != (size, step):
+                    outcome = ("StrategyError", f"strategy_ckpt_config['load_file'] {config['load_file']!r}: parameter "
+                                                f"{name!r} is sliced for the optimizer over {want[0]} ranks, stride "
+                                                f"{want[1]}, in the file, but over {size}, stride {step}, in this run "
+                                                f"(parallel_optimizer_config, the world or the layout differ)")
+                    break
+        if outcome is None and config["save_file"] and os.path.exists(config["save_file"]):
+            with open(config["save_file"]) as f:
+                content = json.load(f)
+            for name, (size, step) in slices_by_name.items():
+                item = content.get("parallel_layout_item", {}).get(name)
+                if item is not None:
+                    item["opt_weight_shard_size"], item["opt_weight_shard_step"] = size, step
+            temporary = f"{config['save_file']}.rank{comm.rank}.{os.getpid()}.tmp"
+            with open(temporary, "w") as f:
+                f.write(_readable(content))
+            os.replace(temporary, config["save_file"])
+    except (OSError, ValueError) as e:
+        outcome = _failure(e)
+    _agree(comm, "strategy checkpoint (optimizer slices)", outcome)

@@ -335,15 +335,6 @@ def test_a_shard_size_that_does_not_divide_the_world_raises_on_every_rank():
         run_threads(4, rank_body)
 
 
-def test_tensor_parallel_modes_refuse_it():
-    def rank_body():
-        mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.SEMI_AUTO_PARALLEL, enable_parallel_optimizer=True)
-        _net((3, 2))(Tensor(np.ones((2, 3))))
-
-    with pytest.raises(NotImplementedError, match="enable_parallel_optimizer=True under semi_auto_parallel"):
-        run_threads(2, rank_body)
-
-
 def _uneven_run(zero, level):
     """Model.train(uneven_inputs=True): rank r has 4 - 2r batches of 2 rows."""
     _context(zero, level=level)
@@ -474,3 +465,14 @@ def test_summon_full_params_lets_one_rank_use_the_whole_network(level):
         assert isinstance(placement, OptimizerSlice)
         np.testing.assert_array_equal(first, 0.5)
     assert results[0][2].shape == (1, 2)
+
+
+def test_a_resume_at_the_same_world_size_is_bit_identical(tmp_path):
+    want_params, want_state = run_threads(2, lambda: _model_run(None))[0]
+    run_threads(2, lambda: _model_run(tmp_path / "ckpt", n_steps_stop=3))
+    path = latest_checkpoint(str(tmp_path / "ckpt"), prefix="net")
+    for params, state in run_threads(2, lambda: _model_run(None, resume=path)):
+        for name in want_params:
+            np.testing.assert_array_equal(params[name], want_params[name], err_msg=name)
+        for name in want_state:
+            np.testing.assert_array_equal(state[name], want_state[name], err_msg=name)

@@ -197,6 +197,7 @@ def test_eval_and_predict_run_the_cast_network_with_float32_outputs():
      r"build it with loss_scale=64.0, got loss_scale=1.0"),
 ])
 def test_bad_arguments_raise_naming_them(kwargs, error, message):
+    kwargs = dict(kwargs)  # (a copy: the parameter's dict is shared by every run of the test in this process)
     net = mlp()
     opt = momentum(net, loss_scale=kwargs.pop("loss_scale", 1.0))
     with pytest.raises(error, match=message):
@@ -332,3 +333,12 @@ def test_a_checkpoint_resumes_the_scale_sequence_bit_identically_and_the_network
     not_loaded, _ = minidl.load_param_into_net(plain, minidl.load_checkpoint(path), strict_load=True)
     assert not not_loaded
     assert_same(params(plain), params(net))
+
+
+def test_auto_computes_the_loss_in_float32_as_mindspore():
+    # A net ending in a Dense without bias: "auto" leaves its output float16 (MatMul is on the white
+    # list); MindSpore's Model casts it to float32 before the loss, and so does minidl's.
+    net = nn.SequentialCell(nn.Dense(4, 3, has_bias=False))
+    model = Model(net, nn.MSELoss(), nn.Momentum(net.trainable_params(), 0.1, 0.9), amp_level="auto")
+    out = model.predict_network(Tensor(np.ones((2, 4), np.float32)))
+    assert out.dtype == minidl.float32

@@ -129,8 +129,10 @@ def run_backward(root, gy, targets=None, on_leaf_ready=None, retain_graph=False)
             if gx is None:
                 continue
             # (A parameter held as one rank's rows between uses, optimizer parallelism's level3,
-            # gets its whole gradient: the reducer reduce-scatters it.)
-            if gx.shape != parent.data.shape and (parent.placement is None or gx.shape != parent.shape):
+            # gets the gradient of what the rows were cut from: its placement's ``block``, or the
+            # whole tensor; the reducer cuts it.)
+            if gx.shape != parent.data.shape and (parent.placement is None or gx.shape != getattr(
+                    parent.placement, "block", parent.shape)):
                 raise RuntimeError(f"{type(node).__name__}.backward returned a gradient of shape "
                                    f"{tuple(gx.shape)} for an input of shape {parent.shape}")
             key = id(parent)

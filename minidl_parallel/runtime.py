@@ -92,6 +92,8 @@ class ParallelRuntime(Runtime):
         if not self._slicing:
             return run(cell, args, kwargs)
         if any(reducer.level == "level3" for reducer in self._slicing):
+            if run is dispatch.run_cell and dispatch.outermost():
+                return run(cell, args, kwargs)  # (the dispatcher's outermost call: inputs tagged, outputs whole)
             return level3.call_cell(cell, args, kwargs)
         depth = getattr(self._cell_depth, "value", 0)
         if depth == 0:  # the outermost call: sliced weights become whole for this step's forward and backward
@@ -106,13 +108,7 @@ class ParallelRuntime(Runtime):
     def grad_reducer(self, parameters):
         settings = self.world.settings
         if settings["enable_parallel_optimizer"] and self._tensor_parallel():
-            config = settings["parallel_optimizer_config"]
-            if config["optimizer_level"] == "level3":
-                raise NotImplementedError(
-                    f"optimizer_level 'level3' under {settings['parallel_mode']} is not built (each cell's weights "
-                    f"gathered for its forward and again for its backward runs under DATA_PARALLEL); use level1 "
-                    f"or level2")
-            reducer = OptimizerParallelReducer(parameters, config, tensor_parallel=True)
+            reducer = OptimizerParallelReducer(parameters, settings["parallel_optimizer_config"], tensor_parallel=True)
             self._slicing.add(reducer)
             return reducer
         if settings["parallel_mode"] != context.ParallelMode.DATA_PARALLEL:

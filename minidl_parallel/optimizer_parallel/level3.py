@@ -9,6 +9,9 @@ therefore all-gathers every sliced weight twice (forward and backward) and reduc
 gradient once: 1.5x an all-reduce, as ZeRO-3; it also runs those cells' forward twice (the cost
 recompute states), which MindSpore's graph compiler avoids.
 
+Under SEMI_AUTO / AUTO the outermost Cell call stays the dispatcher's (it tags the inputs) and
+the cells below it run so, gathering their tensor-parallel blocks.
+
 A weight read by an op outside the cell that owns it (GPT's head tied to the token embedding,
 read in the GPT cell's construct) is gathered for that op alone (:func:`with_whole`, from the
 runtime's ``call_op``), at any level: the op keeps the whole array for its backward.

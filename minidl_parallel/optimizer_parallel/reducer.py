@@ -252,7 +252,8 @@ class OptimizerParallelReducer:
         self.plan()
         out = []
         for p, s, g in zip(self.parameters, self.placements, grads):
-            if g is not None and tuple(g.shape) != tuple(p.data.shape):
+            # (at level3 the weight is its rows again already; its gradient is the block's)
+            if g is not None and tuple(g.shape) != (tuple(p.data.shape) if s is None else s.block):
                 raise ValueError(f"{_WHO}: the gradient of {p.name!r} has shape {tuple(g.shape)}, but the parameter "
                                  f"holds a block of shape {tuple(p.data.shape)}")
             if s is None or g is None:

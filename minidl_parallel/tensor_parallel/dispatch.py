@@ -46,7 +46,7 @@ from .rules import Decomposed, StrategyError, TensorSpec, get_rule
 from .rules.base import NoRuleError, Site
 from .tensors import get_layout, layout_of, set_layout, tag_input
 
-__all__ = ["run_op", "run_cell", "active_context", "groups", "redistribute", "group_along", "full_value",
+__all__ = ["run_op", "run_cell", "outermost", "active_context", "groups", "redistribute", "group_along", "full_value",
            "gather_like"]
 
 _tls = threading.local()
@@ -337,6 +337,11 @@ def _wrap_backward(node, sharding, positions, comm):
 
 
 # ---- cells ----------------------------------------------------------------------------------
+
+def outermost():
+    """Whether the next Cell call on this rank is the outermost one (no Cell is running)."""
+    return _rank_state().depth == 0
+
 
 def run_cell(cell, args, kwargs):
     """Runs a Cell; the outermost call tags its inputs and makes its partial outputs whole."""

@@ -71,7 +71,7 @@ def _run(zero, mode, level="level1", shard_size=-1, optimizer="adam"):
 
 
 @pytest.mark.parametrize("mode", ["semi_auto_parallel", "auto_parallel"])
-@pytest.mark.parametrize("level", ["level1", "level2"])
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
 def test_each_block_is_sliced_over_its_replicas_and_training_is_unchanged(mode, level):
     plain = run_threads(4, _run, False, mode)
     sliced = run_threads(4, _run, True, mode, level)
@@ -92,9 +92,7 @@ def test_each_block_is_sliced_over_its_replicas_and_training_is_unchanged(mode, 
         assert placements["dense2.weight"].rows == math.ceil(10 / 4)
 
 
-def test_level3_and_bad_shard_sizes_raise_on_every_rank():
-    with pytest.raises(NotImplementedError, match="level3' under semi_auto_parallel is not built"):
-        run_threads(2, _run, True, "semi_auto_parallel", "level3")
+def test_bad_shard_sizes_raise_on_every_rank():
     with pytest.raises(ValueError, match=r"optimizer_weight_shard_size'\] = 4 must divide the 2 ranks holding"):
         run_threads(4, _run, True, "semi_auto_parallel", "level1", 4)
 
@@ -162,3 +160,23 @@ def test_the_strategy_file_records_the_optimizer_slices_and_a_load_checks_them(t
     with pytest.raises(StrategyError, match=r"parameter 'dense1.bias' is sliced for the optimizer over 4 ranks, stride "
                                             r"1, in the file, but over 2, stride 1, in this run"):
         run_threads(4, loading(2))
+
+
+def test_level3_gathers_each_weight_again_for_backward():
+    def rank_body(level):
+        mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", enable_parallel_optimizer=True,
+                                     parallel_optimizer_config={"optimizer_level": level,
+                                                                "parallel_optimizer_threshold": 0})
+        net = FFN()
+        net.dense1.matmul.shard(((2, 1), (1, 2)))
+        step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.Momentum(net.trainable_params(), 0.1, 0.9))
+        x, y = Tensor(np.ones((4, 12))), Tensor(np.zeros((4, 6)))
+        step(x, y)  # the first step slices
+        with mp.CommCounter() as counter:
+            step(x, y)
+        return counter.bytes(kind="allgather", phase="weights")
+
+    once = run_threads(4, rank_body, "level1")
+    twice = run_threads(4, rank_body, "level3")
+    assert all(b > 0 for b in once)
+    assert twice == [2 * b for b in once]

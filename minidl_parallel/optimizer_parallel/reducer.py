@@ -17,9 +17,11 @@ state follows: ``Optimizer._follow_parameter_layouts``); the next call of a Cell
 (:meth:`gather_weights`, from the runtime's ``call_cell``; at level3 each cell gathers its own). Parameters under
 ``parallel_optimizer_threshold`` are reduced whole by a plain DistributedGradReducer.
 
-Under SEMI_AUTO_PARALLEL / AUTO_PARALLEL (``tensor_parallel=True``) nothing is reduced here: the
-operators' backward all-reduced each block's gradient already, and each rank keeps its rows of
-its block, sliced over the ranks holding the same block.
+Under SEMI_AUTO_PARALLEL / AUTO_PARALLEL (``tensor_parallel=True``) each block is sliced over the
+ranks holding the same block. At level1 the operators' backward all-reduced each block's gradient
+already and each rank keeps its rows; at level2/3 the operators leave a sliced parameter's
+gradient partial over its slice group (``dispatch.defer_gradient_reduction``) and it is
+reduce-scattered here.
 
 The mean's 1/degree is folded into the packing copy, as the plain reducer does, so with the same
 summation order (the threads world) level1 and level2 are bit-identical to plain data
@@ -43,7 +45,7 @@ from ..join import Join, count_ranks_with_data
 from ..tensor_parallel.counter import record
 from ..context import current_world
 from ..tensor_parallel import strategy_file
-from ..tensor_parallel.dispatch import groups
+from ..tensor_parallel.dispatch import defer_gradient_reduction, groups, reduction_state
 from ..tensor_parallel.plan import comm_bytes
 from . import slices
 
@@ -127,6 +129,10 @@ class OptimizerParallelReducer:
         if self.tensor_parallel:
             self.placements = tuple(self._tensor_parallel_slice(p, comm) for p in self.parameters)
             self._plan_comm = weakref.ref(comm)
+            if self.level != "level1":  # the operators leave these gradients partial: reduce-scattered here
+                for p, s in zip(self.parameters, self.placements):
+                    if s is not None:
+                        defer_gradient_reduction(p, s.ranks)
             # (a strategy file, when one is configured, records or checks the slices: MindSpore's fields)
             strategy_file.record_optimizer_slices(comm, current_world().settings, {
                 p.name: (s.group_size, _stride(s)) for p, s in zip(self.parameters, self.placements) if s is not None})
@@ -259,11 +265,27 @@ class OptimizerParallelReducer:
             if s is None or g is None:
                 out.append(None if g is None else Tensor(g))
                 continue
-            t = Tensor(slices.cut(g, s))
+            state = reduction_state(p)
+            if state == "mixed":
+                raise ValueError(f"{_WHO}: parameter {p.name!r} reached this step's backward through operators that "
+                                 f"left its gradient partial over its slice group and others that reduced it over "
+                                 f"other ranks; optimizer_level 'level1' reduces every gradient in the operators")
+            t = Tensor(self._scatter_block(g, s) if state == "partial" else slices.cut(g, s))
             t.placement = s
             out.append(t)
         self._slice_weights()
         return tuple(out)
+
+    def _scatter_block(self, g, s):
+        """This rank's rows of the sum over its slice group of the partial block gradients ``g``."""
+        xp = backend.get_array_module(g)
+        padded = xp.zeros((s.group_size * s.rows,) + tuple(s.block[1:]), dtype=g.dtype)
+        padded[:s.block[0]] = g
+        record("reduce_scatter", s.group_size, comm_bytes("reduce_scatter", padded.nbytes, s.group_size),
+               phase="gradients")
+        rows = s.comm.reduce_scatter(padded, "sum", axis=0)
+        lo, hi = s.bounds()
+        return xp.ascontiguousarray(rows[:hi - lo])
 
     def _rescales(self):
         return self.compression is not Compression.none or self.gradient_predivide_factor != 1.0

@@ -46,7 +46,7 @@ from .rules import Decomposed, StrategyError, TensorSpec, get_rule
 from .rules.base import NoRuleError, Site
 from .tensors import get_layout, layout_of, set_layout, tag_input
 
-__all__ = ["run_op", "run_cell", "outermost", "active_context", "groups", "redistribute", "group_along", "full_value",
+__all__ = ["run_op", "run_cell", "outermost", "defer_gradient_reduction", "reduction_state", "active_context", "groups", "redistribute", "group_along", "full_value",
            "gather_like"]
 
 _tls = threading.local()
@@ -293,7 +293,7 @@ def _run_sharded(prim, args, comm, settings, device_num):
         op.__dict__.update(attrs)
     out = op.apply(*local_args)
     if out.grad_fn is not None:
-        _wrap_backward(out.grad_fn, sharding, positions, comm)
+        _wrap_backward(out.grad_fn, sharding, positions, comm, args)
     set_layout(out, sharding.out_layout, sharding.out_layout.global_shape(tuple(out.shape)))
     if record is not None:
         record.operator(_who(prim), strategy, origin, sharding, moves, get_layout(out)[1], tuple(out.data.shape))
@@ -308,12 +308,50 @@ def _partial_axes_of_gradient(sharding, k):
                  if size > 1 and a not in cut and a not in sharding.repeat_axes)
 
 
-def _wrap_backward(node, sharding, positions, comm):
+# Parameters whose partial gradients the optimizer-parallel reducer reduce-scatters itself (level2):
+# {id(param): [weak reference, ranks of its slice group, what this step's backward left]}, the last
+# None (nothing yet), "partial" (every contribution left partial over exactly those ranks),
+# "complete" (all-reduced here) or "mixed". Keyed by id: each rank (thread) has its own parameters.
+_deferred = {}
+
+
+def defer_gradient_reduction(param, ranks):
+    """From now on, a partial gradient of ``param`` over exactly ``ranks`` is left partial for the caller."""
+    _deferred[id(param)] = [weakref.ref(param), tuple(ranks), None]
+
+
+def reduction_state(param):
+    """What the backward since the last call left for a deferred ``param`` (see ``_deferred``); cleared."""
+    entry = _deferred.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    state, entry[2] = entry[2], None
+    return state
+
+
+def _deferred_entry(arg):
+    entry = _deferred.get(id(arg)) if isinstance(arg, Parameter) else None
+    return entry if entry is not None and entry[0]() is arg else None
+
+
+def _note(entry, state):
+    entry[2] = state if entry[2] in (None, state) else "mixed"
+
+
+def _wrap_backward(node, sharding, positions, comm, args):
     """Runs the op's backward in the backward phase, then all-reduces its partial input gradients."""
     reductions = {}
+    noted = {}  # input -> (deferred entry, its state this op leaves: "partial" or "complete")
     needs = getattr(node, "needs_grad", None)
     for k, i in enumerate(positions):
         axes = _partial_axes_of_gradient(sharding, k)
+        entry = _deferred_entry(args[i])
+        if entry is not None and (needs is None or needs[i]):
+            ranks = sharding.in_layouts[k].group(comm.rank, axes) if axes else None
+            partial = ranks is not None and tuple(ranks) == entry[1]
+            noted[i] = (entry, "partial" if partial else "complete")
+            if partial:
+                continue  # the optimizer-parallel reducer reduce-scatters it
         # An input that takes no gradient (a mask, a constant) must not cost a collective, even
         # when the op's backward returns one for it.
         if axes and (needs is None or needs[i]):
@@ -331,6 +369,9 @@ def _wrap_backward(node, sharding, positions, comm):
                 if group is not None:
                     grads[i] = group.allreduce(grads[i], "sum")
                     counter.record("allreduce", len(ranks), comm_bytes("allreduce", grads[i].nbytes, len(ranks)))
+            for i, (entry, state) in noted.items():
+                if grads[i] is not None:
+                    _note(entry, state)
         return tuple(grads)
 
     node.backward = backward  # the instance attribute shadows the class's backward for this call only

@@ -180,3 +180,26 @@ def test_level3_gathers_each_weight_again_for_backward():
     twice = run_threads(4, rank_body, "level3")
     assert all(b > 0 for b in once)
     assert twice == [2 * b for b in once]
+
+
+def test_level2_reduce_scatters_the_gradients_the_operators_leave_partial():
+    def rank_body(level):
+        mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", enable_parallel_optimizer=True,
+                                     parallel_optimizer_config={"optimizer_level": level,
+                                                                "gradient_accumulation_shard": level == "level2",
+                                                                "parallel_optimizer_threshold": 0})
+        net = FFN()
+        net.dense1.matmul.shard(((2, 1), (1, 2)))
+        step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.Momentum(net.trainable_params(), 0.1, 0.9))
+        x, y = Tensor(np.ones((4, 12))), Tensor(np.zeros((4, 6)))
+        step(x, y)  # the first step slices (its gradients are all-reduced by the operators)
+        with mp.CommCounter() as counter:
+            step(x, y)
+        return counter.count(kind="reduce_scatter"), counter.bytes(kind="allreduce") + counter.bytes(
+            kind="reduce_scatter")
+
+    level1 = run_threads(4, rank_body, "level1")
+    level2 = run_threads(4, rank_body, "level2")
+    for (scatters1, bytes1), (scatters2, bytes2) in zip(level1, level2):
+        assert scatters1 == 0 and scatters2 == 4  # every parameter's gradient: half the ring's bytes
+        assert bytes2 < bytes1

@@ -50,6 +50,12 @@ def _whole(t):
     return np.array(to_numpy(get_runtime().full_value(t))) if t.is_sharded else t.asnumpy().copy()
 
 
+OPTIMIZERS = {"adam": lambda ps: nn.Adam(ps, 0.01), "momentum": lambda ps: nn.Momentum(ps, 0.1, 0.9),
+              "sgd": lambda ps: nn.SGD(ps, 0.05, momentum=0.9, weight_decay=1e-3),
+              "adamw": lambda ps: nn.AdamWeightDecay(ps, 0.01, weight_decay=0.01)}
+STRATEGIES = {2: ((1, 1), (1, 2)), 4: ((2, 1), (1, 2))}  # by world size; dense1's MatMul
+
+
 def _run(zero, mode, level="level1", shard_size=-1, optimizer="adam"):
     mp.set_auto_parallel_context(parallel_mode=mode, enable_parallel_optimizer=zero)
     if zero:
@@ -57,9 +63,9 @@ def _run(zero, mode, level="level1", shard_size=-1, optimizer="adam"):
             "optimizer_level": level, "parallel_optimizer_threshold": 0, "optimizer_weight_shard_size": shard_size,
             "gradient_accumulation_shard": level == "level2"})
     net = FFN()
-    net.dense1.matmul.shard(((2, 1), (1, 2)))  # batch cut in 2, the weight's columns in 2: replicas in pairs
-    opt = nn.Adam(net.trainable_params(), 0.01) if optimizer == "adam" else nn.Momentum(net.trainable_params(), 0.1,
-                                                                                           0.9)
+    # at 4 ranks: the batch cut in 2, the weight's columns in 2: replicas in pairs
+    net.dense1.matmul.shard(STRATEGIES[mp.get_group_size()])
+    opt = OPTIMIZERS[optimizer](net.trainable_params())
     rng = np.random.default_rng(1)
     n = mp.get_group_size()
     x, y = rng.standard_normal((8 * n, 12)), rng.standard_normal((8 * n, 6))
@@ -203,3 +209,17 @@ def test_level2_reduce_scatters_the_gradients_the_operators_leave_partial():
     for (scatters1, bytes1), (scatters2, bytes2) in zip(level1, level2):
         assert scatters1 == 0 and scatters2 == 4  # every parameter's gradient: half the ring's bytes
         assert bytes2 < bytes1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("mode", ["semi_auto_parallel", "auto_parallel"])
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_the_whole_tensor_parallel_matrix(n, mode, level, optimizer):
+    plain = run_threads(n, _run, False, mode, level, -1, optimizer)
+    sliced = run_threads(n, _run, True, mode, level, -1, optimizer)
+    for (want_p, want_s, _), (got_p, got_s, _) in zip(plain, sliced):
+        for want, got in ((want_p, got_p), (want_s, got_s)):
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=name)

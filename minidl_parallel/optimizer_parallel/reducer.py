@@ -208,6 +208,10 @@ class OptimizerParallelReducer:
         grads = [g.data if isinstance(g, Tensor) else g for g in grads]
         if self.tensor_parallel:
             return self._cut_tensor_parallel(grads)
+        # At level3 a weight is its rows outside its cell's runs, so a parameter that no op reached
+        # gets value_and_grad's zeros shaped like those rows: no gradient, as None says.
+        grads = [None if g is not None and slices.is_sliced(p) and tuple(g.shape) == tuple(p.data.shape)
+                 != tuple(p.shape) else g for p, g in zip(self.parameters, grads)]
         for i, g in enumerate(grads):
             if g is not None and tuple(g.shape) != tuple(self.parameters[i].shape):
                 raise ValueError(f"{_WHO}: gradient {i} of shape {tuple(g.shape)} does not match its parameter of "
@@ -258,10 +262,14 @@ class OptimizerParallelReducer:
         self.plan()
         out = []
         for p, s, g in zip(self.parameters, self.placements, grads):
+            expected = tuple(p.data.shape) if s is None else s.block
+            if g is not None and s is not None and slices.is_sliced(p) and tuple(g.shape) == tuple(p.data.shape) \
+                    != expected:
+                g = None  # level3: no op reached it (value_and_grad's zeros are shaped like its rows)
             # (at level3 the weight is its rows again already; its gradient is the block's)
-            if g is not None and tuple(g.shape) != (tuple(p.data.shape) if s is None else s.block):
+            if g is not None and tuple(g.shape) != expected:
                 raise ValueError(f"{_WHO}: the gradient of {p.name!r} has shape {tuple(g.shape)}, but the parameter "
-                                 f"holds a block of shape {tuple(p.data.shape)}")
+                                 f"holds a block of shape {expected}")
             if s is None or g is None:
                 out.append(None if g is None else Tensor(g))
                 continue

@@ -317,6 +317,9 @@ _deferred = {}
 
 def defer_gradient_reduction(param, ranks):
     """From now on, a partial gradient of ``param`` over exactly ``ranks`` is left partial for the caller."""
+    entry = _deferred.get(id(param))
+    if entry is not None and entry[0]() is param and entry[1] == tuple(ranks):
+        return  # (a new reducer with the same plan, at its first call: keep what this step's backward left)
     _deferred[id(param)] = [weakref.ref(param), tuple(ranks), None]
 
 

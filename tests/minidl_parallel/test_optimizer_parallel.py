@@ -9,6 +9,7 @@ changes it (LARS's norms add per-slice dot products; replica groups add twice; a
 slices add after the reduction).
 """
 import math
+import re
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from minidl.runtime import get_runtime
 from minidl.train import CheckpointConfig, Model, ModelCheckpoint, latest_checkpoint
 import minidl_parallel as mp
 from minidl_parallel import run_threads
+from minidl_parallel.optimizer_parallel import slices
 from minidl_parallel.optimizer_parallel.slices import OptimizerSlice
 
 F64 = minidl.float64
@@ -35,15 +37,28 @@ OPTIMIZERS = {
 EXACT = {"sgd", "momentum", "adam", "adamw"}  # LARS's norms are sums of per-slice dot products
 
 
-def _net(widths):
+def _net(widths, dtypes=None):
+    """Dense layers with Tanh between them; layer i in ``dtypes[i]`` (float64 by default)."""
+    dtypes = dtypes or (F64,) * (len(widths) - 1)
     layers = []
-    for a, b in zip(widths, widths[1:]):
-        layers += [nn.Dense(a, b, dtype=F64), nn.Tanh()]
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        if i and dtypes[i] != dtypes[i - 1]:
+            layers.append(_Cast(dtypes[i]))
+        layers += [nn.Dense(a, b, dtype=dtypes[i]), nn.Tanh()]
     return nn.SequentialCell(*layers[:-1])
 
 
-def _context(zero, level="level1", threshold=0, shard_size=-1, **more):
-    mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL, gradients_mean=True,
+class _Cast(nn.Cell):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype, self.cast = dtype, minidl.ops.Cast()
+
+    def construct(self, x):
+        return self.cast(x, self.dtype)
+
+
+def _context(zero, level="level1", threshold=0, shard_size=-1, gradients_mean=True, **more):
+    mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL, gradients_mean=gradients_mean,
                                  enable_parallel_optimizer=zero, **more)
     if zero:
         mp.set_auto_parallel_context(parallel_optimizer_config={
@@ -55,10 +70,10 @@ def _whole(tensor):
     return np.array(to_numpy(get_runtime().full_value(tensor))) if tensor.is_sharded else tensor.asnumpy().copy()
 
 
-def _train(widths, seed, xs, ys, optimizer, clip=None):
+def _train(widths, seed, xs, ys, optimizer, clip=None, dtypes=None):
     """Trains a fresh net (the same on every rank, from the seed) on this rank's rows of each batch."""
     minidl.set_seed(seed)
-    net = _net(widths)
+    net = _net(widths, dtypes)
     opt = OPTIMIZERS[optimizer](net.trainable_params())
     step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt)
     if clip is not None:
@@ -91,13 +106,15 @@ def _data(seed, steps, batch, widths):
     return rng.standard_normal((steps, batch, widths[0])), rng.standard_normal((steps, batch, widths[-1]))
 
 
-def _compare(n, widths, optimizer, steps=3, seed=0, exact=True, clip=None, per_rank=2, **zero):
+def _compare(n, widths, optimizer, steps=3, seed=0, exact=True, clip=None, per_rank=2, dtypes=None, **zero):
     xs, ys = _data(seed, steps, n * per_rank, widths)
+    if dtypes is not None:  # the inputs in the first layer's dtype, the labels in the last's
+        xs, ys = xs.astype(dtypes[0]), ys.astype(dtypes[-1])
 
     def body(on):
         def rank_body():
             _context(on, **zero)
-            return _train(widths, seed, xs, ys, optimizer, clip)
+            return _train(widths, seed, xs, ys, optimizer, clip, dtypes)
         return rank_body
 
     plain = run_threads(n, body(False))
@@ -106,6 +123,7 @@ def _compare(n, widths, optimizer, steps=3, seed=0, exact=True, clip=None, per_r
         for want, got in ((want_p, got_p), (want_s, got_s)):
             assert want.keys() == got.keys()
             for name in want:
+                assert got[name].dtype == want[name].dtype, name
                 if exact:
                     np.testing.assert_array_equal(got[name], want[name], err_msg=name)
                 else:
@@ -330,14 +348,15 @@ def test_a_shard_size_that_does_not_divide_the_world_raises_on_every_rank():
         _context(True, shard_size=3)
         return _train((3, 4, 2), 0, *_data(0, 1, 4, (3, 4, 2)), "momentum")
 
-    with pytest.raises(ValueError, match=r"optimizer_weight_shard_size'\] = 3 must divide the data-parallel world "
-                                         r"size 4"):
+    with pytest.raises(ValueError, match=r"^rank \d of 4: OptimizerParallelReducer: parallel_optimizer_config"
+                                         r"\['optimizer_weight_shard_size'\] = 3 must divide the data-parallel "
+                                         r"world size 4"):
         run_threads(4, rank_body)
 
 
-def _uneven_run(zero, level):
+def _uneven_run(zero, level, threshold=0, **more):
     """Model.train(uneven_inputs=True): rank r has 4 - 2r batches of 2 rows."""
-    _context(zero, level=level)
+    _context(zero, level=level, threshold=threshold, **more)
     rank = mp.get_rank()
     minidl.set_seed(0)
     net = _net((3, 5, 2))
@@ -476,3 +495,292 @@ def test_a_resume_at_the_same_world_size_is_bit_identical(tmp_path):
             np.testing.assert_array_equal(params[name], want_params[name], err_msg=name)
         for name in want_state:
             np.testing.assert_array_equal(state[name], want_state[name], err_msg=name)
+
+
+# ---- what the mutation run (tools/mutation.py optimizer_parallel) found untested -----------------
+
+WHO = "set_auto_parallel_context: parallel_optimizer_config"
+
+
+def test_config_names_each_bad_value_and_keeps_its_types():
+    def rank_body():
+        with pytest.raises(TypeError) as raised:
+            mp.set_auto_parallel_context(parallel_optimizer_config="level2")
+        assert str(raised.value) == (f"{WHO} must be a dict with keys from ('gradient_accumulation_shard', "
+                                     f"'parallel_optimizer_threshold', 'optimizer_weight_shard_size', "
+                                     f"'optimizer_level'), got str 'level2'")
+        with pytest.raises(TypeError) as raised:
+            mp.set_auto_parallel_context(parallel_optimizer_config={"gradient_accumulation_shard": "yes"})
+        assert str(raised.value) == f"{WHO}['gradient_accumulation_shard'] must be True or False, got 'yes'"
+        with pytest.raises(ValueError) as raised:
+            mp.set_auto_parallel_context(parallel_optimizer_config={"optimizer_level": "level4"})
+        assert str(raised.value) == (f"{WHO}['optimizer_level'] must be one of ('level1', 'level2', 'level3'), "
+                                     f"got 'level4'")
+        for bad in (True, 1.5):  # a bool is not an int here, nor is a float
+            with pytest.raises(ValueError, match=re.escape(f"must be an int >= 0 (KB), got {bad!r}")):
+                mp.set_auto_parallel_context(parallel_optimizer_config={"parallel_optimizer_threshold": bad})
+            with pytest.raises(ValueError, match=re.escape(f"or an int >= 1, got {bad!r}")):
+                mp.set_auto_parallel_context(parallel_optimizer_config={"optimizer_weight_shard_size": bad})
+        # 1 is a shard size (a group of one), and False stays False
+        mp.set_auto_parallel_context(parallel_optimizer_config={"optimizer_weight_shard_size": 1,
+                                                                "gradient_accumulation_shard": False})
+        assert mp.get_auto_parallel_context("parallel_optimizer_config")["gradient_accumulation_shard"] is False
+        mp.set_auto_parallel_context(parallel_optimizer_config={"optimizer_level": "level3"})
+        assert mp.get_auto_parallel_context("parallel_optimizer_config") == {
+            "gradient_accumulation_shard": False, "parallel_optimizer_threshold": 64,
+            "optimizer_weight_shard_size": 1, "optimizer_level": "level3"}
+
+    run_threads(1, rank_body)
+
+
+def test_float32_parameters_count_four_bytes_and_keep_their_dtype():
+    # Three ranks (16 rows: 6, 6 and 4, padded on the wire), a threshold of 1 KB: a float32 (16, 16)
+    # weight is 1024 B, exactly the threshold: sliced; a float32 (8, 16) is 512 B: whole; the float64
+    # (16, 8) is 1024 B: sliced; the biases stay whole. The reduce-scatter runs per dtype.
+    f32 = minidl.float32
+    sliced = _compare(3, (16, 16, 8, 16), "adam", level="level2", threshold=1, dtypes=(f32, f32, F64))
+    for params, state, layouts in sliced:
+        assert {name for name, s in layouts.items() if s is not None} == {"0.weight", "5.weight"}  # (4: the cast)
+        assert params["0.weight"].dtype == np.float32 and state["moment1.0.weight"].dtype == np.float32
+        assert params["5.weight"].dtype == np.float64
+
+
+@pytest.mark.parametrize("level", ["level1", "level2"])
+@pytest.mark.parametrize("reduction", [{"gradients_mean": False}, {"gradient_predivide_factor": 2.0},
+                                       {"gradient_predivide_factor": 4.0}, {"gradient_compression": "fp16"}],
+                         ids=["sum", "predivide2", "predivide4", "fp16"])
+def test_each_reduction_option_equals_plain_data_parallel_with_it(level, reduction):
+    # first dimensions 7 and 5 over 2 ranks: the last rank's rows are fewer, padded on the wire
+    _compare(2, (3, 7, 5, 2), "momentum", level=level, **reduction)
+
+
+def _one_step_from(x, y, threshold, layers=(16, 8, 16)):
+    """Every rank's parameters before and after one level2 step with fp16 compression on (x, y)
+    (rank 0's rows of x and y; rank 1's are ordinary)."""
+    def rank_body():
+        _context(True, level="level2", threshold=threshold, gradient_compression="fp16")
+        minidl.set_seed(0)
+        net = _net(layers)
+        step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.Momentum(net.trainable_params(), 0.1, 0.9))
+        before = {name: p.asnumpy().copy() for name, p in net.parameters_and_names()}
+        rows = (x, y) if mp.get_rank() == 0 else (np.full_like(x, 0.1), np.zeros_like(y))
+        step(*map(Tensor, rows))
+        return before, {name: _whole(p) for name, p in net.parameters_and_names()}
+
+    return run_threads(2, rank_body)
+
+
+@pytest.mark.filterwarnings("ignore:TrainOneStepCell. the reduced gradients hold inf")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (NumPy's, on the inf and the casts)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("where", ["whole", "sliced", "both"])
+def test_an_overflow_in_whole_or_sliced_gradients_skips_the_step_on_every_rank(where):
+    # Labels of 1e7 make the biases' gradients overflow float16 (the weights', scaled by inputs of
+    # 1e-4, stay in range): at a threshold of 1 KB the biases are whole (the plain reducer's),
+    # the weights (1024 B) sliced; at 0 every parameter is sliced. An inf input makes every
+    # gradient NaN, whole and sliced, on every rank's rows.
+    x, y = np.full((2, 16), 1e-4), np.full((2, 16), 1e7)
+    if where == "both":
+        x[0, 0] = np.inf
+    for before, after in _one_step_from(x, y, threshold=0 if where == "sliced" else 1):
+        for name in before:
+            np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+
+
+@pytest.mark.filterwarnings("ignore:TrainOneStepCell. the reduced gradients hold inf")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_an_overflow_in_one_dtypes_slices_skips_the_step_though_another_dtypes_are_finite():
+    # No activation: inputs of 1e30 give the float32 layer a weight gradient of about 1e60 (inf in
+    # float32), while the float64 layer's stay finite. The predivide factor makes the reducer check.
+    def rank_body():
+        _context(True, level="level2", gradient_predivide_factor=2.0)
+        minidl.set_seed(0)
+        net = nn.SequentialCell(nn.Dense(4, 4, dtype=minidl.float32), _Cast(F64), nn.Dense(4, 2, dtype=F64))
+        step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.Momentum(net.trainable_params(), 0.1, 0.9))
+        before = {name: p.asnumpy().copy() for name, p in net.parameters_and_names()}
+        scale = 1e30 if mp.get_rank() == 0 else 1.0
+        step(Tensor(np.full((2, 4), scale, dtype=np.float32)), Tensor(np.zeros((2, 2))))
+        return before, {name: _whole(p) for name, p in net.parameters_and_names()}
+
+    for before, after in run_threads(2, rank_body):
+        for name in before:
+            np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+
+
+@pytest.mark.parametrize("setting, values", [
+    ("gradients_mean", (True, False)), ("optimizer_level", ("level1", "level3")),
+    ("parallel_optimizer_threshold", (0, 1)), ("optimizer_weight_shard_size", (-1, 2)),
+    ("gradient_accumulation_shard", (True, False)), ("grad_accumulation_step", (1, 2))])
+def test_ranks_configured_differently_raise_on_every_rank_naming_the_setting(setting, values):
+    def rank_body():
+        value = values[mp.get_rank()]
+        config = {"optimizer_level": "level2", "parallel_optimizer_threshold": 0}
+        more = {}
+        if setting in ("gradients_mean", "grad_accumulation_step"):
+            more[setting] = value
+        else:
+            config[setting] = value
+        if setting == "gradient_accumulation_shard":  # (level2 turns it on: turned off afterwards)
+            del config[setting]
+        mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL, enable_parallel_optimizer=True,
+                                     parallel_optimizer_config=config, **more)
+        if setting == "gradient_accumulation_shard":
+            mp.set_auto_parallel_context(parallel_optimizer_config={setting: value})
+        return _train((3, 4, 2), 0, *_data(0, 2, 4, (3, 4, 2)), "momentum")
+
+    key = {"gradients_mean": "mean", "optimizer_level": "level", "parallel_optimizer_threshold": "threshold_kb",
+           "optimizer_weight_shard_size": "shard_size", "gradient_accumulation_shard": "accumulation_shard",
+           "grad_accumulation_step": "passes"}[setting]
+    with pytest.raises(ValueError, match=rf"^rank \d of 2: OptimizerParallelReducer: .*{key}"):
+        run_threads(2, rank_body)
+
+
+def test_a_single_row_is_sliced_and_a_group_of_one_slices_nothing():
+    # 0.weight (1, 3): rank 0 holds its row, rank 1 none
+    for rank, (_, _, layouts) in enumerate(_compare(2, (3, 1), "momentum", level="level2")):
+        assert layouts["0.weight"].bounds() == ((0, 1) if rank == 0 else (1, 1))
+    for n, shard_size in ((1, -1), (2, 1)):
+        for _, _, layouts in _compare(n, (3, 4, 2), "momentum", level="level2", shard_size=shard_size):
+            assert set(layouts.values()) == {None}
+
+
+def _allgathered_weights(level):
+    """The bytes of weights one step all-gathers, once the first step has sliced them."""
+    def rank_body():
+        _context(True, level=level)
+        minidl.set_seed(0)
+        net = _net((3, 6, 4))
+        step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.Momentum(net.trainable_params(), 0.1, 0.9))
+        x, y = Tensor(np.ones((2, 3))), Tensor(np.zeros((2, 4)))
+        step(x, y)
+        with mp.CommCounter() as counter:
+            step(x, y)
+        return counter.bytes(kind="allgather", phase="weights")
+
+    return run_threads(2, rank_body)
+
+
+def test_level3_gathers_every_sliced_weight_for_forward_and_again_for_backward():
+    once = _allgathered_weights("level1")
+    assert all(b > 0 for b in once)
+    assert _allgathered_weights("level3") == [2 * b for b in once]
+
+
+class _Scaled(nn.Cell):
+    """A cell without parameters of its own, called with a keyword argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Dense(3, 2, dtype=F64)
+
+    def construct(self, x, scale=1.0):
+        return self.dense(x) * scale
+
+
+class _CallsWithKeywords(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Scaled()
+        self.unused = minidl.Parameter(Tensor(np.ones((4, 3))), name="unused")  # gets no gradient
+
+    def construct(self, x):
+        return self.inner(x, scale=3.0)
+
+
+@pytest.mark.parametrize("level", ["level2", "level3"])
+def test_keyword_arguments_and_a_parameter_without_gradient(level):
+    # (at level3 the unused weight is its rows when value_and_grad makes its zero gradient: the
+    # reducer once refused that gradient's shape)
+    xs, ys = _data(0, 3, 4, (3, 2))
+
+    def body(on):
+        def rank_body():
+            _context(on, level=level)
+            minidl.set_seed(0)
+            net = _CallsWithKeywords()
+            opt = nn.Momentum(net.trainable_params(), 0.1, 0.9)
+            step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt)
+            rank = mp.get_rank()
+            for x, y in zip(xs, ys):
+                step(Tensor(x[2 * rank:2 * rank + 2]), Tensor(y[2 * rank:2 * rank + 2]))
+            return {name: _whole(p) for name, p in net.parameters_and_names()}
+        return rank_body
+
+    for want, got in zip(run_threads(2, body(False)), run_threads(2, body(True))):
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_uneven_inputs_refuse_gradient_accumulation():
+    with pytest.raises(RuntimeError, match=r"^rank \d of 2: OptimizerParallelReducer: backward_passes_per_step=2 "
+                                           r"inside a join block is not supported: a finished rank cannot tell which "
+                                           r"calls its peers reduce"):
+        run_threads(2, lambda: _uneven_run(True, "level2", grad_accumulation_step=2))
+
+
+def test_uneven_inputs_with_every_parameter_under_the_threshold():
+    # Nothing sliced, so no gather of weights: each step's vote comes at the reduction.
+    plain = run_threads(2, _uneven_run, False, "level2")
+    whole = run_threads(2, lambda: _uneven_run(True, "level2", threshold=64))
+    for (want, _), (got, _) in zip(plain, whole):
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.parametrize("level", ["level1", "level2"])
+def test_parameter_broadcast_starts_every_rank_from_rank_0s_weights(level):
+    xs, ys = _data(0, 2, 4, (3, 5, 2))
+
+    def body(on):
+        def rank_body():
+            _context(on, level=level, parameter_broadcast=True)
+            minidl.set_seed(10 + mp.get_rank())  # every rank initialises differently
+            net = _net((3, 5, 2))
+            step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.Adam(net.trainable_params(), 0.01))
+            rank = mp.get_rank()
+            for x, y in zip(xs, ys):
+                step(Tensor(x[2 * rank:2 * rank + 2]), Tensor(y[2 * rank:2 * rank + 2]))
+            return {name: _whole(p) for name, p in net.parameters_and_names()}
+        return rank_body
+
+    for want, got in zip(run_threads(2, body(False)), run_threads(2, body(True))):
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_level2_reports_its_reduce_scatter_and_the_replicas_all_reduce():
+    # four ranks in shard groups of 2: 0.weight (5, 3) and 0.bias (5,) in rows of 3, 2.weight (2, 5)
+    # and 2.bias (2,) in rows of 1; each rank reduce-scatters (2 x 14) float64 in its group, then
+    # all-reduces its 14 values with the other group's rank holding the same rows
+    def rank_body():
+        _context(True, level="level2", shard_size=2)
+        minidl.set_seed(0)
+        net = _net((3, 5, 2))
+        step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.Momentum(net.trainable_params(), 0.1, 0.9))
+        x, y = Tensor(np.ones((2, 3))), Tensor(np.zeros((2, 2)))
+        step(x, y)
+        with mp.CommCounter() as counter:
+            step(x, y)
+        return [(e.kind, e.group_size, e.bytes_per_rank) for e in counter.events if e.phase == "gradients"]
+
+    width = 3 * 3 + 3 + 1 * 5 + 1
+    for events in run_threads(4, rank_body):
+        assert events == [("reduce_scatter", 2, 2 * width * 8 // 2), ("allreduce", 2, 2 * width * 8 // 2)]
+
+
+def test_an_optimizer_slice_reads_as_its_rows():
+    s = OptimizerSlice((7, 3), 4, 2, 1)
+    assert s.block == (7, 3) and s.bounds() == (4, 7) and s.bounds(0) == (0, 4)
+    assert str(s) == "optimizer slice 1 of 2: rows [4:7) of (7, 3)"
+    inner = OptimizerSlice((12, 10), 6, 2, 0, inner="S(1)", block=(12, 5))
+    assert str(inner) == "optimizer slice 0 of 2: rows [0:6) of block (12, 5) (S(1)) of (12, 10)"
+
+
+def test_optimizer_state_of_another_shape_than_its_parameter_is_refused():
+    param = minidl.Parameter(Tensor(np.zeros((7, 3))), name="w")
+    param.placement = OptimizerSlice((7, 3), 4, 2, 1)
+    state = minidl.Parameter(Tensor(np.zeros((5, 3))), name="moment1.w")
+    with pytest.raises(ValueError) as raised:
+        slices.follow(param, state, 1)
+    assert str(raised.value) == ("optimizer state 'moment1.w' has shape (5, 3), but its parameter 'w' is optimizer "
+                                 "slice 1 of 2: rows [4:7) of (7, 3)")

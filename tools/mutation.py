@@ -12,7 +12,9 @@ it, and prints the survivors with their diffs, so the checkout and its setup.cfg
 docs/testing.md#mutation-testing records the latest results and why each survivor is left.
 """
 import argparse
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -48,6 +50,20 @@ TARGETS = {
     "comm_backends": (["minidl_parallel/comm/mpi.py", "minidl_parallel/comm/nccl.py"], ["tests/minidl_parallel/comm"]),
     "io": (["minidl/io"], ["tests/minidl/io"]),
     "wrappers": (["minidl/nn/wrappers.py"], ["tests/minidl/nn/test_wrappers.py"]),
+    # issue 31: mixed precision (the cast levels, their op lists and policy, Model's amp rules, the
+    # loss scale managers), recompute, loss scaling's cells, and the strategy checkpoint file
+    "amp": (["minidl/amp/policy.py", "minidl/amp/auto.py", "minidl/amp/build.py", "minidl/amp/loss_scale.py",
+             "minidl/amp/op_lists.py"], ["tests/minidl/amp"]),
+    "recompute": (["minidl/nn/recompute.py"], ["tests/minidl/nn/test_recompute.py"]),
+    "loss_scale_cells": (["minidl/nn/loss_scale_cells.py"],
+                         ["tests/minidl/amp", "tests/minidl/nn/test_wrappers.py"]),
+    "strategy_file": (["minidl_parallel/tensor_parallel/strategy_file.py"],
+                      ["tests/minidl_parallel/test_strategy_ckpt.py"]),
+    # issue 31: optimizer parallelism (ZeRO) under DATA_PARALLEL and the tensor-parallel modes; not the
+    # mpirun test (its ranks are subprocesses, "no tests" to mutmut) nor the slow matrices (deselected)
+    "optimizer_parallel": (["minidl_parallel/optimizer_parallel", "minidl_parallel/optimizer_parallel_config.py"],
+                           ["tests/minidl_parallel/test_optimizer_parallel.py",
+                            "tests/minidl_parallel/tensor_parallel/test_optimizer_parallel_tp.py"]),
     "mnist": (["minidl/dataset/mnist.py"], ["tests/minidl/dataset/test_mnist.py"]),
     "callbacks": (["minidl/train/callbacks.py"], ["tests/minidl/train/test_callbacks.py"]),
     "intra_op": (["minidl/kernels/cpu/threads.py", "minidl/kernels/cpu/thread_count.py"],
@@ -162,7 +178,28 @@ def stop_stalled_mutants(limit_s, finished):
                 continue  # the process ended while being read
 
 
-def run(name, keep, stall_after=STALLED_MUTANT_S):
+def rerun_fresh(folder, env, mutant, stall_after):
+    """Whether ``mutant`` fails its tests in a fresh pytest process (True: killed there).
+
+    mutmut forks each mutant's run from a process that already ran the tests, so a mutant in code
+    that ran before the fork (at import, or filling a cache an earlier test left, as amp's cast
+    policies resolve each op class once) never takes effect there. A fresh process with the
+    mutant selected from the start runs it; the tests are the ones mutmut mapped to the function.
+    """
+    stats = json.loads((folder / "mutants" / "mutmut-stats.json").read_text())["tests_by_mangled_function_name"]
+    tests = sorted(stats.get(re.sub(r"__mutmut_\d+$", "", mutant), []))
+    if not tests:
+        return False
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p",
+                               "_mutation_plugin", "-m", "not call_site", *tests], cwd=folder / "mutants",
+                              env=dict(env, MUTANT_UNDER_TEST=mutant), capture_output=True, timeout=stall_after)
+    except subprocess.TimeoutExpired:
+        return True  # (as mutmut counts a timeout)
+    return done.returncode not in (0, 5)  # 5: no tests collected
+
+
+def run(name, keep, stall_after=STALLED_MUTANT_S, fresh=False):
     sources, tests = TARGETS[name]
     folder = Path(tempfile.mkdtemp(prefix=f"minidl-mutation-{name}-"))
     for f in working_tree_files():
@@ -209,8 +246,12 @@ def run(name, keep, stall_after=STALLED_MUTANT_S):
         counts[verdict] = counts.get(verdict, 0) + 1
     print(f"== {name}: {len(status)} mutants in {seconds:.0f} s: "
           + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())))
+    if fresh:
+        killed = [m for m, v in status if v == "survived" and rerun_fresh(folder, env, m, stall_after)]
+        status = [(m, "killed in a fresh process" if m in killed else v) for m, v in status]
+        print(f"   (--fresh: {len(killed)} of the survivors fail in a fresh process: state set before the fork)")
     for mutant, verdict in status:
-        if verdict in ("survived", "no tests", "timeout", "suspicious"):
+        if verdict in ("survived", "no tests", "timeout", "suspicious", "killed in a fresh process"):
             diff = subprocess.run([sys.executable, "-m", "mutmut", "show", mutant], cwd=folder, env=env,
                                   capture_output=True, text=True).stdout
             body = [line for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---")]
@@ -230,6 +271,9 @@ def main():
     parser.add_argument("--stall-after", type=float, default=STALLED_MUTANT_S, metavar="SECONDS",
                         help=f"stop a mutant's tests after this long, a timeout (default {STALLED_MUTANT_S}; "
                              f"intra_op's tests take 3 s and its pool's mutants deadlock: 60 there)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="re-run each survivor in a fresh process (code run before mutmut's fork: imports, "
+                             "caches filled by earlier tests) and report those it kills there")
     args = parser.parse_args()
     if args.list or not args.targets:
         for name, (sources, tests) in TARGETS.items():
@@ -238,7 +282,7 @@ def main():
     unknown = [t for t in args.targets if t not in TARGETS]
     if unknown:
         parser.error(f"unknown targets {unknown}: expected some of {list(TARGETS)}")
-    return max(run(name, args.keep, args.stall_after) for name in args.targets)
+    return max(run(name, args.keep, args.stall_after, args.fresh) for name in args.targets)
 
 
 if __name__ == "__main__":

@@ -67,15 +67,12 @@ def set_recompute(cell, use_reentrant=True, output_recompute=False, early_stop=T
     object.__setattr__(cell, "construct", _RecomputedConstruct(cell, original, context_fn))
 
 
-def run_recomputed(cell, args, kwargs, context_fn, through_backward=False):
+def run_recomputed(cell, args, kwargs, context_fn):
     """Runs ``cell(*args, **kwargs)`` once as a recomputed cell with ``context_fn``'s two contexts
     (``cell.recompute(use_reentrant=False, context_fn=context_fn)`` for this call only), leaving
     the cell unchanged: a runtime's ``call_cell`` uses it to hold state only while the cell runs
-    (optimizer parallelism's level3 gathers the cell's weights in both contexts).
-    ``through_backward``: the second context also spans the backward through the re-run."""
-    construct = _RecomputedConstruct(cell, cell.__dict__.get("construct"), context_fn)
-    construct.through_backward = through_backward
-    return construct(*args, **kwargs)
+    (optimizer parallelism's level3 gathers the cell's weights in both contexts)."""
+    return _RecomputedConstruct(cell, cell.__dict__.get("construct"), context_fn)(*args, **kwargs)
 
 
 class _RecomputedConstruct:
@@ -90,7 +87,6 @@ class _RecomputedConstruct:
         self._cell = weakref.ref(cell)
         self.original = original  # an instance construct the cell had before, else None (its class's)
         self.context_fn = context_fn
-        self.through_backward = False  # the recomputation context ends before the re-run's backward
 
     def __reduce__(self):
         return type(self), (self._cell(), self.original, self.context_fn)
@@ -150,24 +146,22 @@ class _Recomputation:
         state_after_forward = [(p, p.data.copy()) for p in cell.get_parameters() if not p.requires_grad]
         random_state_now = _save_random_state(cell)
         _restore_random_state(self.random_state)
-        through = self.construct.through_backward
         enabled = _grad_mode.enabled
-        with self.recompute_context if through else contextlib.nullcontext():
-            _grad_mode.enabled = True
-            try:
-                with contextlib.nullcontext() if through else self.recompute_context:
-                    out = self.construct.run_original(cell, args, kwargs)
-                    if isinstance(out, Tensor):
-                        out.data  # noqa: B018  (a GRAPH_MODE op still pending on the output runs now, recording its node)
-            finally:
-                _grad_mode.enabled = enabled
-                _restore_random_state(random_state_now)
-                for p, value in state_after_forward:
-                    # (Reading p.data first runs a GRAPH_MODE BatchNorm still pending on it: its update
-                    # comes before the write-back, as eager's order.)
-                    p.data[...] = value
-            _check_reached(cell, out, targets)
-            grads, _ = run_backward(out, gy, targets=targets)
+        _grad_mode.enabled = True
+        try:
+            with self.recompute_context:
+                out = self.construct.run_original(cell, args, kwargs)
+                if isinstance(out, Tensor):
+                    out.data  # noqa: B018  (a GRAPH_MODE op still pending on the output runs now, recording its node)
+        finally:
+            _grad_mode.enabled = enabled
+            _restore_random_state(random_state_now)
+            for p, value in state_after_forward:
+                # (Reading p.data first runs a GRAPH_MODE BatchNorm still pending on it: its update
+                # comes before the write-back, as eager's order.)
+                p.data[...] = value
+        _check_reached(cell, out, targets)
+        grads, _ = run_backward(out, gy, targets=targets)
         values = list(args) + list(kwargs.values()) + params
         return tuple(grads.get(id(t)) if isinstance(t, Tensor) else None for t in values)
 

@@ -16,6 +16,8 @@ built before ``init()`` or before the mode is set reduces once they are.
 """
 import math
 import numbers
+import os
+import sys
 import warnings
 import weakref
 
@@ -61,6 +63,23 @@ class WithLossCell(Cell):
     def backbone_network(self):
         """The wrapped network (MindSpore's name)."""
         return self._backbone
+
+
+# The folders of minidl and minidl_parallel (a path test: minidl never imports minidl_parallel).
+_PACKAGES = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), name)
+                  + os.sep for name in ("minidl", "minidl_parallel"))
+
+
+def _stacklevel_outside_minidl():
+    """The ``stacklevel`` that makes a warning our caller issues name the first frame outside minidl.
+
+    A fixed count is wrong under any runtime but the local one: its ``call_cell`` adds frames
+    between a Cell call and the user's line (minidl_parallel's, where the step's warning fires).
+    """
+    frame, level = sys._getframe(1), 1  # our caller: stacklevel 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGES):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _no_reduction(grads):
@@ -245,7 +264,7 @@ class TrainOneStepCell(Cell):
             if overflowed is not None and overflowed():
                 warnings.warn("TrainOneStepCell: the reduced gradients hold inf or NaN (a compressed 16-bit sum out "
                               "of range, or a non-finite gradient on some rank); the optimizer skips this step",
-                              RuntimeWarning, stacklevel=3)
+                              RuntimeWarning, stacklevel=_stacklevel_outside_minidl())
             else:
                 self.optimizer(grads)
         if self.return_grad:

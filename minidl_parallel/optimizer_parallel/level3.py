@@ -57,5 +57,6 @@ def call_cell(cell, args, kwargs):
     own = _own_sliced(cell)
     if not own:
         return cell.construct(*args, **kwargs)
-    # The re-run's context holds through the cell's backward: its ops check the weights' shapes there.
-    return run_recomputed(cell, args, kwargs, lambda: (_gathered(own), _gathered(own)), through_backward=True)
+    # (The weights go back to their rows before the re-run's backward: its ops read the arrays they
+    # saved, and autograd takes a sliced weight's whole, or block-shaped, gradient.)
+    return run_recomputed(cell, args, kwargs, lambda: (_gathered(own), _gathered(own)))

@@ -23,7 +23,9 @@ from minidl.runtime import get_runtime
 from minidl.train import CheckpointConfig, Model, ModelCheckpoint, latest_checkpoint
 import minidl_parallel as mp
 from minidl_parallel import run_threads
+from minidl_parallel.buckets import DEFAULT_FUSION_BYTES
 from minidl_parallel.optimizer_parallel import slices
+from minidl_parallel.optimizer_parallel.reducer import OptimizerParallelReducer
 from minidl_parallel.optimizer_parallel.slices import OptimizerSlice
 
 F64 = minidl.float64
@@ -784,3 +786,237 @@ def test_optimizer_state_of_another_shape_than_its_parameter_is_refused():
         slices.follow(param, state, 1)
     assert str(raised.value) == ("optimizer state 'moment1.w' has shape (5, 3), but its parameter 'w' is optimizer "
                                  "slice 1 of 2: rows [4:7) of (7, 3)")
+
+
+# ---- the reducer called directly: an explicit communicator, its argument errors, its broadcast --------
+
+def _direct_reducer(params, level, comm=None, threshold=1, **options):
+    config = {"optimizer_level": level, "parallel_optimizer_threshold": threshold, "optimizer_weight_shard_size": -1,
+              "gradient_accumulation_shard": level == "level2"}
+    return OptimizerParallelReducer(params, config, comm=comm, **options)
+
+
+def _pair_of(world):
+    """This rank's group of two: world ranks {0, 1} or {2, 3}, split from ``world``."""
+    first = world.rank - world.rank % 2
+    return world.split([first, first + 1])
+
+
+@pytest.mark.parametrize("level", ["level1", "level2"])
+def test_an_explicit_communicator_reduces_over_that_group_alone(level):
+    # Four ranks in pairs, each pair's reducer given its pair's communicator: a (16, 16) float64 weight
+    # (2 KB, sliced at 1 KB) and two small biases (whole, the plain reducer's, in buckets of fusion_bytes)
+    # are the mean over the pair, not over the world. Each rank's gradients are its world rank + 1 times
+    # a fixed pattern, so the pairs' means differ (1.5x and 3.5x the pattern).
+    pattern = np.random.default_rng(0).standard_normal(16 * 16 + 3 + 5)
+
+    def rank_body(fusion_bytes):
+        world = mp.get_communicator()
+        pair = _pair_of(world)
+        params = [minidl.Parameter(Tensor(np.zeros((16, 16))), name="w"),
+                  minidl.Parameter(Tensor(np.zeros(3)), name="b"), minidl.Parameter(Tensor(np.zeros(5)), name="c")]
+        reducer = _direct_reducer(params, level, comm=pair, fusion_bytes=fusion_bytes)
+        g = (world.rank + 1) * pattern
+        grads = (g[:256].reshape(16, 16), g[256:259], g[259:])
+        with mp.CommCounter() as counter:
+            out = reducer(grads)
+        events = [(e.kind, e.group_size) for e in counter.events if e.phase == "gradients"]
+        return pair.rank, out, events
+
+    # by default one bucket holds every whole gradient; in buckets of 40 B, b (24 B), c (40 B) and, at
+    # level1, w (2 KB) go apart
+    for fusion_bytes, buckets in ((DEFAULT_FUSION_BYTES, 1), (40, 3 if level == "level1" else 2)):
+        for world_rank, (pair_rank, out, events) in enumerate(run_threads(4, rank_body, fusion_bytes)):
+            mean = (1.5 if world_rank < 2 else 3.5) * pattern
+            w, b, c = out
+            assert isinstance(w.placement, OptimizerSlice) and w.placement.bounds() == (8 * pair_rank, 8 * pair_rank + 8)
+            np.testing.assert_allclose(to_numpy(w.data), mean[:256].reshape(16, 16)[8 * pair_rank:8 * pair_rank + 8],
+                                       rtol=1e-15, atol=0)
+            np.testing.assert_allclose(to_numpy(b.data), mean[256:259], rtol=1e-15, atol=0)
+            np.testing.assert_allclose(to_numpy(c.data), mean[259:], rtol=1e-15, atol=0)
+            # every collective over the pair; level2 reduce-scatters the weight
+            scattered = [("reduce_scatter", 2)] if level == "level2" else []
+            assert sorted(events) == sorted([("allreduce", 2)] * buckets + scattered), events
+
+
+def test_a_predivide_factor_reaches_the_parameters_kept_whole():
+    # A factor of 3 is not exact in floating point: the whole parameter's mean must be the plain
+    # reducer's with the same factor, bit for bit (both reduce over the same pair).
+    pattern = np.random.default_rng(1).standard_normal((2, 7))
+
+    def rank_body():
+        world = mp.get_communicator()
+        pair = _pair_of(world)
+        g = (world.rank + 0.3) * pattern[world.rank % 2]
+
+        def bias():
+            return [minidl.Parameter(Tensor(np.zeros(7)), name="b")]
+
+        got = _direct_reducer(bias(), "level2", comm=pair, gradient_predivide_factor=3.0)((g,))[0]
+        want = mp.DistributedGradReducer(bias(), comm=pair, gradient_predivide_factor=3.0)((g,))[0]
+        plain = mp.DistributedGradReducer(bias(), comm=pair)((g,))[0]
+        return [to_numpy(t.data if isinstance(t, Tensor) else t) for t in (got, want, plain)]
+
+    results = run_threads(4, rank_body)
+    for got, want, _ in results:
+        np.testing.assert_array_equal(got, want)
+    assert any((got != plain).any() for got, _, plain in results)  # (the factor changes the rounding here)
+
+
+def test_a_direct_call_names_what_is_wrong_with_the_gradients():
+    params = [minidl.Parameter(Tensor(np.zeros((4, 2))), name="w"), minidl.Parameter(Tensor(np.zeros(3)), name="b")]
+    reducer = _direct_reducer(params, "level2")
+    who = "OptimizerParallelReducer"
+    for bad, kind in ((Tensor(np.zeros(3)), "Tensor"), (None, "NoneType"), ({"w": 1, "b": 2}, "dict")):
+        with pytest.raises(TypeError) as raised:
+            reducer(bad)
+        assert str(raised.value) == f"{who}: grads must be a tuple aligned with the parameters, got {kind}"
+    with pytest.raises(ValueError) as raised:
+        reducer((np.zeros((4, 2)),))
+    assert str(raised.value) == f"{who}: got 1 gradient(s) for 2 parameter(s)"
+    with pytest.raises(ValueError) as raised:
+        reducer([np.zeros((4, 2)), np.zeros(2)])
+    assert str(raised.value) == f"{who}: gradient 1 of shape (2,) does not match its parameter of shape (3,)"
+
+
+def test_a_bad_communicator_or_compression_is_named():
+    w = minidl.Parameter(Tensor(np.zeros((4, 2))), name="w")
+    with pytest.raises(TypeError) as raised:
+        _direct_reducer([w], "level2", comm="world")
+    assert str(raised.value) == ("OptimizerParallelReducer: group must be a Communicator (or None for the world), "
+                                 "got str")
+    with pytest.raises(ValueError) as raised:
+        _direct_reducer([w], "level2", compression="fp8")
+    assert str(raised.value) == ("OptimizerParallelReducer: compression must be Compression.none, .fp16 or .bf16 (or "
+                                 "their names), got 'fp8'")
+
+
+def test_level2_with_every_parameter_sliced_makes_one_collective_per_call():
+    # Nothing is kept whole, so there is no plain reducer (and none of its own agreement checks):
+    # once planned, each call is the one reduce-scatter.
+    def rank_body():
+        world = mp.get_communicator()
+        params = [minidl.Parameter(Tensor(np.zeros((16, 16))), name="w"),
+                  minidl.Parameter(Tensor(np.zeros(5)), name="b")]
+        reducer = _direct_reducer(params, "level2", threshold=0)
+        reducer.plan()
+        counts = []
+        for _ in range(2):
+            before = world.collective_count
+            reducer((np.ones((16, 16)), np.ones(5)))
+            counts.append(world.collective_count - before)
+        return counts
+
+    assert run_threads(2, rank_body) == [[1, 1], [1, 1]]
+
+
+def test_broadcast_parameters_sends_the_groups_root_values_to_the_whole_parameters_only():
+    # Pairs {0, 1} and {2, 3}: after one reduction the (16, 16) weight is each rank's rows (kept as
+    # they are), the bias whole: it gets the pair's root's value (world rank 0 or 2), not rank 0's.
+    def rank_body():
+        world = mp.get_communicator()
+        pair = _pair_of(world)
+        w = minidl.Parameter(Tensor(np.zeros((16, 16))), name="w")
+        b = minidl.Parameter(Tensor(np.zeros(3)), name="b")
+        reducer = _direct_reducer([w, b], "level2", comm=pair)
+        reducer((np.ones((16, 16)), np.ones(3)))
+        assert slices.is_sliced(w)
+        w.data[...] = world.rank
+        b.data[...] = world.rank
+        reducer.broadcast_parameters([w, b])
+        with pytest.raises(ValueError) as raised:
+            reducer.broadcast_parameters([b], root=2)  # a rank of the world, not of the pair
+        return to_numpy(w.data).copy(), to_numpy(b.data).copy(), str(raised.value)
+
+    for rank, (w, b, message) in enumerate(run_threads(4, rank_body)):
+        np.testing.assert_array_equal(w, np.full((8, 16), rank))
+        np.testing.assert_array_equal(b, np.full(3, rank - rank % 2))
+        assert message == "OptimizerParallelReducer.broadcast_parameters: root must be a rank in [0, 1], got 2"
+
+
+@pytest.mark.filterwarnings("ignore:TrainOneStepCell. the reduced gradients hold inf")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_an_overflow_in_the_whole_parameters_alone_skips_the_step_on_every_rank():
+    # One layer (16, 16): its weight (2 KB) sliced at 1 KB, its bias whole. Labels of 1e7 make the
+    # bias's gradient (about -6e5 per rank after the mean's 1/2) overflow float16; the weight's, scaled
+    # by inputs of 1e-4, is about -60: finite. Only the plain reducer of the whole bias sees the inf.
+    x, y = np.full((2, 16), 1e-4), np.full((2, 16), 1e7)
+    for before, after in _one_step_from(x, y, threshold=1, layers=(16, 16)):
+        for name in before:
+            np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+    # (the same step with labels in range updates every parameter)
+    for before, after in _one_step_from(x, np.full((2, 16), 1.0), threshold=1, layers=(16, 16)):
+        for name in before:
+            assert (after[name] != before[name]).any(), name
+
+
+@pytest.mark.parametrize("level", ["level1", "level2"])
+def test_fp16_compression_of_float32_gradients_gives_float32_slices(level):
+    # The compressed sum (float16 on the wire) is decompressed into the parameter's dtype, not float64.
+    f32 = minidl.float32
+
+    def rank_body():
+        _context(True, level=level, gradient_compression="fp16")
+        minidl.set_seed(0)
+        net = _net((3, 6, 2), (f32, f32))
+        step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.Momentum(net.trainable_params(), 0.1, 0.9),
+                                   return_grad=True)
+        x, y = Tensor(np.ones((2, 3), dtype=np.float32)), Tensor(np.zeros((2, 2), dtype=np.float32))
+        step(x, y)
+        _, grads = step(x, y)
+        return {name: (g.dtype, g.placement) for name, g in grads.items()}
+
+    for grads in run_threads(2, rank_body):
+        assert {name: dtype for name, (dtype, _) in grads.items()} == dict.fromkeys(grads, f32)
+        assert all(isinstance(placement, OptimizerSlice) for _, placement in grads.values())
+
+
+class _TwoOps(nn.Cell):
+    """A dense layer as two ops (MatMul, Add), each reading one of the cell's own weights."""
+
+    def __init__(self, rows, cols):
+        super().__init__()
+        self.weight = minidl.Parameter(Tensor(np.random.default_rng(rows).standard_normal((rows, cols))))
+        self.bias = minidl.Parameter(Tensor(np.zeros(cols)))  # (unnamed: named by their attribute path)
+        self.matmul, self.add = minidl.ops.MatMul(), minidl.ops.Add()
+
+    def construct(self, x):
+        return self.add(self.matmul(x, self.weight), self.bias)
+
+
+def test_level3_gathers_each_cells_weights_in_one_all_gather_for_forward_and_one_for_backward():
+    # Two cells of two ops each: the cell's context gathers its weight and bias together (one dtype,
+    # one group), once for forward and once for the re-run in backward: 2 all-gathers per cell and step.
+    def rank_body():
+        _context(True, level="level3")
+        net = nn.SequentialCell(_TwoOps(3, 6), nn.Tanh(), _TwoOps(6, 4))
+        step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.Momentum(net.trainable_params(), 0.1, 0.9))
+        x, y = Tensor(np.ones((2, 3))), Tensor(np.zeros((2, 4)))
+        step(x, y)  # the first step slices
+        with mp.CommCounter() as counter:
+            step(x, y)
+        return counter.count(kind="allgather", phase="weights")
+
+    assert run_threads(2, rank_body) == [4, 4]
+
+
+def test_uneven_inputs_where_a_rank_has_no_data_at_all():
+    # Rank 1 has no batch: it only shadows rank 0's steps (its vote and the reduction each step). Every
+    # rank ends with the plain data-parallel run's weights.
+    def run(zero):
+        _context(zero, level="level2")
+        rank = mp.get_rank()
+        minidl.set_seed(0)
+        net = _net((3, 5, 2))
+        rng = np.random.default_rng(0)
+        rows = 4 if rank == 0 else 0
+        ds = NumpySlicesDataset({"x": rng.standard_normal((4, 3))[:rows], "y": rng.standard_normal((4, 2))[:rows]},
+                                shuffle=False).batch(2)
+        Model(net, nn.MSELoss(), nn.Adam(net.trainable_params(), 0.01)).train(1, ds, progress=False,
+                                                                              uneven_inputs=True)
+        return {name: _whole(p) for name, p in net.parameters_and_names()}
+
+    plain = run_threads(2, run, False)
+    for want, got in zip(plain, run_threads(2, run, True)):
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)

@@ -143,7 +143,7 @@ def test_ranks_that_read_different_files_all_raise_instead_of_waiting(tmp_path):
         return _error_of("semi_auto_parallel", {"strategy_ckpt_load_file": path if mp.get_rank() == 0 else missing})
     errors = run_threads(2, rank)
     assert errors[0] == errors[1] and errors[0][0] == "StrategyError"
-    assert "the ranks differ: rank 0: read it (sha1 " in errors[0][1]
+    assert "strategy_ckpt_config['load_file']: the ranks differ: rank 0: read it (sha1 " in errors[0][1]
     assert "rank 1: FileNotFoundError: strategy_ckpt_config['load_file']" in errors[0][1]
     assert "only_on_rank_0_1.json': no such file" in errors[0][1]
 
@@ -223,3 +223,102 @@ def test_bad_values_raise_naming_the_key_and_what_is_expected_and_change_nothing
     assert mp.get_auto_parallel_context("parallel_mode") == "stand_alone"
     assert mp.get_auto_parallel_context("strategy_ckpt_config") == {"load_file": "", "save_file": "",
                                                                      "only_trainable_params": True}
+
+
+def test_the_file_is_written_once_per_network_and_setting_and_again_for_a_new_one(tmp_path):
+    """The plan is made at a network's first call: later calls of the same network with the same
+    setting leave the file alone; a new save_file, or another network, writes again."""
+    import os
+
+    def rank():
+        first, second = str(tmp_path / f"first_{mp.get_rank()}.json"), str(tmp_path / f"second_{mp.get_rank()}.json")
+        mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="full_batch",
+                                     strategy_ckpt_config={"save_file": first})
+        try:
+            net, x = MegatronMLP(mp.get_group_size()), Tensor(_data()[0])
+            net(x)
+            written = [os.path.exists(first)]
+            os.remove(first)
+            net(x)
+            written.append(os.path.exists(first))  # (the same network and setting: not again)
+            mp.set_auto_parallel_context(strategy_ckpt_config={"save_file": second})
+            net(x)
+            written.append(os.path.exists(second))
+            mp.set_auto_parallel_context(strategy_ckpt_config={"save_file": first})
+            MegatronMLP(mp.get_group_size())(x)
+            written.append(os.path.exists(first))  # (another network)
+        finally:
+            mp.reset_auto_parallel_context()
+        return written
+    assert run_threads(2, rank) == [[True, False, True, True]] * 2
+
+
+def _layout(tensor_map):
+    return {"dev_matrix": [2], "tensor_map": tensor_map, "tensor_shape": [4, 2]}
+
+
+@pytest.mark.parametrize("content, message", [
+    ([1, 2], "not a 'minidl strategy checkpoint' file (its 'format' is None)"),
+    ({"format": "mindspore"}, "not a 'minidl strategy checkpoint' file (its 'format' is 'mindspore')"),
+    ({"format": "minidl strategy checkpoint", "version": 2}, "version 2, this minidl reads version 1"),
+    ({"format": "minidl strategy checkpoint", "version": 1, "parallel_strategy_item": {"MatMul_w1": {"stage": 0}}},
+     "parallel_strategy_item 'MatMul_w1': not a strategy entry ({'stage': 0, 'parallel_strategy': [[...], ...]}): "
+     "{'stage': 0} (KeyError: 'parallel_strategy')"),
+    ({"format": "minidl strategy checkpoint", "version": 1,
+      "parallel_strategy_item": {"MatMul_w1": {"parallel_strategy": [[1, True]]}}},
+     "parallel_strategy_item 'MatMul_w1': every cut of parallel_strategy must be a positive int, got "
+     "{'parallel_strategy': [[1, True]]}"),
+    ({"format": "minidl strategy checkpoint", "version": 1,
+      "parallel_strategy_item": {"MatMul_w1": {"parallel_strategy": [[1, 0]]}}},
+     "parallel_strategy_item 'MatMul_w1': every cut of parallel_strategy must be a positive int, got "
+     "{'parallel_strategy': [[1, 0]]}"),
+    ({"format": "minidl strategy checkpoint", "version": 1, "parallel_layout_item": {"w1": _layout([[True], -1])}},
+     "parallel_layout_item 'w1': not a layout entry (dev_matrix, tensor_map, tensor_shape as MindSpore writes them): "
+     "{'dev_matrix': [2], 'tensor_map': [[True], -1], 'tensor_shape': [4, 2]} (ValueError: tensor_map entry [True] is "
+     "not an int or a list of ints)"),
+])
+def test_each_malformed_part_of_a_file_is_named_with_what_was_expected(tmp_path, content, message):
+    from minidl_parallel.tensor_parallel import strategy_file
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ValueError) as raised:
+        strategy_file.read(str(path))
+    assert str(raised.value) == f"strategy_ckpt_config['load_file'] {str(path)!r}: {message}"
+
+
+def test_a_file_with_strategies_only_or_several_axes_per_dimension_reads_back(tmp_path):
+    from minidl_parallel.tensor_parallel import strategy_file
+    path = tmp_path / "plain.json"
+    path.write_text(json.dumps({"format": "minidl strategy checkpoint", "version": 1, "device_num": 4,
+                                "parallel_strategy_item": {"MatMul_w1": {"stage": 0, "parallel_strategy": [[1, 2]]}}}))
+    loaded = strategy_file.read(str(path))
+    assert (loaded.strategies, loaded.layouts, loaded.device_num) == ({"MatMul_w1": ((1, 2),)}, {}, 4)
+    item = {"dev_matrix": [2, 2], "tensor_map": [[1, 0], -1], "tensor_shape": [4, 2], "field": 0,
+            "opt_weight_shard_step": 0, "opt_weight_shard_size": 0}
+    layout, shape = strategy_file.layout_from_item(item, "w")
+    assert shape == (4, 2) and strategy_file.layout_item(layout, shape) == item
+
+
+def test_a_save_file_in_a_new_folder_is_written_there_and_one_that_cannot_be_written_raises_on_every_rank(tmp_path):
+    def rank(path, frozen):
+        mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="full_batch",
+                                     strategy_ckpt_config={"save_file": path})
+        try:
+            net = MegatronMLP(mp.get_group_size())
+            for p in net.trainable_params() if frozen else ():
+                p.requires_grad = False
+            net(Tensor(_data()[0]))
+        except OSError as e:
+            return type(e).__name__, str(e)
+        finally:
+            mp.reset_auto_parallel_context()
+        return json.loads(open(path).read())
+
+    path = str(tmp_path / "new" / "folder" / "plan.json")
+    content = run_threads(2, rank, path, True)[0]  # (every parameter frozen: no layout to save)
+    assert (content["current_stage"], content["parallel_layout_item"]) == (0, {})
+    (tmp_path / "a_file").write_text("")
+    blocked = str(tmp_path / "a_file" / "plan.json")
+    errors = run_threads(2, rank, blocked, False)
+    assert errors[0] == errors[1] and errors[0][0] == "OSError"
+    assert errors[0][1].startswith(f"strategy_ckpt_config['save_file'] {blocked!r}: cannot write it: ")

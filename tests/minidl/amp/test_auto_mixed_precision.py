@@ -234,15 +234,136 @@ def test_bad_arguments_raise_naming_them():
         amp.auto_mixed_precision(mlp(), "O4")
     with pytest.raises(ValueError, match=r"dtype must be minidl.float16, got .*float32"):
         amp.auto_mixed_precision(mlp(), "O2", minidl.float32)
+    with pytest.raises(ValueError, match=r"dtype must be minidl.float16, got 'half precision'"):
+        amp.auto_mixed_precision(mlp(), "O2", "half precision")  # (not a dtype at all: the same message)
     with pytest.raises(TypeError, match=r"network must be a Cell, got function"):
         amp.auto_mixed_precision(lambda x: x, "O2")
 
 
 def test_bfloat16_is_refused_naming_why():
     ml_dtypes = pytest.importorskip("ml_dtypes")
-    with pytest.raises(ValueError, match=r"bfloat16 is not supported by minidl"):
+    with pytest.raises(ValueError) as raised:
         amp.auto_mixed_precision(mlp(), "O2", ml_dtypes.bfloat16)
+    assert str(raised.value) == ("auto_mixed_precision: dtype bfloat16 is not supported by minidl (NumPy has no "
+                                 "bfloat16, ml_dtypes' is not a float kind to minidl's ops, CuPy has none); use "
+                                 "minidl.float16")
+
+
+class ProbeBatchNormReLU(nn.BatchNorm2d):
+    """Records the dtypes its fused with_relu (what the ResNet blocks call) computes in."""
+
+    def with_relu(self, x, residual=None):
+        self.seen = (x.dtype, self.gamma.dtype)
+        return super().with_relu(x, residual)
+
+
+class FusedNet(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), ProbeBatchNormReLU(4)
+
+    def construct(self, x):
+        return self.bn.with_relu(self.conv(x))
+
+
+@pytest.mark.parametrize("levels, bn_dtype", [(["O2"], np.float32), (["O3"], np.float16), (["O2", "O3"], np.float16),
+                                              (["O3", "O2"], np.float32), (["O2", "O2"], np.float32)])
+def test_a_batchnorms_with_relu_casts_as_its_construct_also_after_a_change_of_level(levels, bn_dtype):
+    minidl.set_seed(0)
+    backbone = FusedNet()
+    x = Tensor(np.random.default_rng(0).standard_normal((2, 3, 5, 5)).astype(np.float32))
+    net = backbone
+    for level in levels:
+        net = amp.auto_mixed_precision(net, level)
+    assert net(x).dtype == np.float32
+    assert backbone.bn.seen == (bn_dtype, bn_dtype)
+    assert backbone(x).dtype == np.float16  # (O2's black-listed cell gives its output back in float16)
+
+
+class KeywordProbe(nn.Cell):
+    """A Dense, then a scale given by keyword; records the dtype the keyword argument arrives in."""
+
+    def __init__(self, dense):
+        super().__init__()
+        self.fc = dense
+
+    def construct(self, x, scale=None):
+        self.seen_scale = None if scale is None else scale.dtype
+        return self.fc(x) * scale
+
+
+class DoubledDense(nn.Dense):
+    def construct(self, x):
+        return super().construct(x) * 2
+
+
+@pytest.mark.parametrize("levels", [["O1"], ["O2"], ["O3"], ["auto"], ["O2", "O1", "O3", "auto", "O2"]])
+def test_keyword_arguments_and_a_construct_set_on_the_instance_are_kept_at_every_level(levels, rng):
+    """A cell's own construct (set on the instance, not the class) is what every level casts
+    around, also when the level changes; keyword arguments reach the cell, cast as positional ones."""
+    x = Tensor(rng.standard_normal((2, 4)).astype(np.float32))
+    scale = Tensor(np.float32(3.0))
+    minidl.set_seed(5)
+    own = KeywordProbe(nn.Dense(4, 3))
+    fc = own.fc
+    fc.construct = lambda x: nn.Dense.construct(fc, x) * 2  # (the instance's own construct)
+    minidl.set_seed(5)
+    twin = KeywordProbe(DoubledDense(4, 3))  # the same computation from the class
+    for level in levels:
+        own, twin = amp.auto_mixed_precision(own, level), amp.auto_mixed_precision(twin, level)
+        got, want = own(x, scale=scale), twin(x, scale=scale)
+        np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+        assert own.seen_scale == (np.float16 if level in ("O2", "O3") else np.float32)
+    plain = minidl.Tensor(np.asarray(nn.Dense.construct(fc, x).asnumpy()))
+    assert not np.array_equal(got.asnumpy(), (plain * scale).asnumpy())  # (the doubling counted)
 
 
 def test_the_black_list_is_mindspores_for_the_cells_minidl_has():
     assert amp.get_black_list() == [nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm]
+
+
+def test_o2_casts_every_float_output_in_tuples_and_lists_and_leaves_the_rest():
+    class Several(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(4, 2)
+
+        def construct(self, x, labels):
+            y = self.fc(x)
+            return y, [y * 2, labels], 3
+
+    x = Tensor(np.ones((2, 4), np.float32))
+    labels = Tensor(np.arange(2, dtype=np.int32))
+    net = Several()
+    y, (y2, same_labels), three = amp.auto_mixed_precision(net, "O2")(x, labels)
+    assert (y.dtype, y2.dtype, same_labels.dtype, three) == (np.float32, np.float32, np.int32, 3)
+    inside, _, _ = net(x, labels)
+    assert inside.dtype == np.float16
+    np.testing.assert_array_equal(y.asnumpy(), inside.asnumpy().astype(np.float32))
+    np.testing.assert_array_equal(y2.asnumpy(), (inside * 2).asnumpy().astype(np.float32))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "auto"])
+def test_a_copy_of_a_cast_network_casts_its_own_cells(level):
+    """copy.deepcopy of the returned network: the copy's cells cast as the original's, and run
+    with the copy's parameters (each cast construct holds its own cell)."""
+    minidl.set_seed(1)
+    x = Tensor(np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32))
+    net = amp.auto_mixed_precision(mlp(), level)
+    twin = copy.deepcopy(net)
+    np.testing.assert_array_equal(twin(x).asnumpy(), net(x).asnumpy())
+    for p in twin.trainable_params():
+        p.set_data(np.zeros(p.shape, np.float32))
+    assert not np.any(twin(x).asnumpy()) and np.any(net(x).asnumpy())
+    assert twin._backbone[0](x).dtype == (np.float16 if level == "O2" else np.float32)  # ("auto": BiasAdd promotes)
+
+
+def test_the_wrapper_has_the_backbones_parameters_under_a_prefix_and_none_of_its_own():
+    backbone = nn.Dense(4, 2)
+    net = amp.auto_mixed_precision(backbone, "O2")
+    assert [n for n, _ in net.parameters_and_names("net")] == [n for n, _ in backbone.parameters_and_names("net")]
+    assert [n for n, _ in net.parameters_and_names("net")] != [n for n, _ in backbone.parameters_and_names()]
+    assert list(net.parameters_and_names(expand=False)) == []
+    assert net.in_channels == 4  # (read from the backbone)
+    with pytest.raises(AttributeError, match="__not_there__"):
+        getattr(net, "__not_there__")

@@ -304,3 +304,82 @@ def test_changing_level_re_sets_every_cell(rng):
         net = amp.auto_mixed_precision(net, level)
         assert net._backbone is base
         np.testing.assert_array_equal(net(x).asnumpy(), expected[level])
+
+
+@pytest.mark.parametrize("level", ["O1", "auto"])
+def test_a_per_op_level_after_o2_runs_the_ops_of_that_level_on_a_fresh_network(level, rng):
+    """O2's casts of the BatchNorms' fused with_relu (float32 inside, float16 out) are gone: the
+    ops, their dtypes and the values are those of the level set on a fresh copy."""
+    x = Tensor(rng.standard_normal((2, 3, 6, 6)).astype(np.float32))
+    minidl.set_seed(2)
+    base = ConvNet()
+    fresh = amp.auto_mixed_precision(copy.deepcopy(base), level)
+    net = amp.auto_mixed_precision(amp.auto_mixed_precision(base, "O2"), level)
+    want, want_ops = run_recorded(fresh, x)
+    got, got_ops = run_recorded(net, x)
+    assert got_ops.ops == want_ops.ops
+    np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+
+
+def test_auto_leaves_integer_inputs_and_arguments_that_are_not_tensors_alone(rng):
+    """CumSum (black list) takes its axis as an int argument; a Concat (promote list) of integer
+    tensors has no float type to promote to; a bias-free Dense (white list, run as its MatMul)."""
+    a = rng.standard_normal((3, 4))
+
+    class Mixed(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(4, 2, has_bias=False)
+
+        def construct(self, x16, i32):
+            return ops.CumSum()(x16, 1), ops.concat((i32, i32)), self.fc(x16)
+
+    x16 = Tensor(a.astype(np.float16))
+    i32 = Tensor(np.arange(12, dtype=np.int32).reshape(3, 4))
+    outs, _ = run_recorded(amp.auto_mixed_precision(Mixed(), "auto"), x16, i32)
+    assert [o.dtype for o in outs] == [F32, np.dtype(np.int32), F16]
+    np.testing.assert_array_equal(outs[0].asnumpy(), np.cumsum(a.astype(np.float16).astype(np.float32), axis=1))
+    np.testing.assert_array_equal(outs[1].asnumpy(), np.concatenate([np.arange(12).reshape(3, 4)] * 2))
+
+
+@pytest.mark.parametrize("level", ["O1", "auto"])
+def test_a_residual_block_gives_the_float32_values_within_float16_rounding(level, rng):
+    """BasicBlock's BatchNorm + residual + ReLU (with_relu) runs as its parts: the residual counts."""
+    x = Tensor(rng.standard_normal((2, 3, 6, 6)).astype(np.float32))
+    minidl.set_seed(4)
+    net32 = ConvNet()
+    net = amp.auto_mixed_precision(copy.deepcopy(net32), level)
+    np.testing.assert_allclose(net(x).asnumpy().astype(np.float32), net32(x).asnumpy(), rtol=0.02, atol=0.02)
+
+
+def test_a_network_of_another_level_called_inside_casts_by_its_own_level(rng):
+    """An "auto" network called from an O1 network's construct (not one of its cells) keeps its
+    own rules: a MatMul's output stays float16, where O1 would cast it back to float32."""
+    a = Tensor(rng.standard_normal((3, 3)).astype(np.float32))
+
+    class Inner(nn.Cell):
+        def construct(self, x):
+            return ops.matmul(x, x)
+
+    inner = amp.auto_mixed_precision(Inner(), "auto")
+    called = [inner]  # (in a list: not a cell of Outer, so O1 does not re-set it)
+
+    class Outer(nn.Cell):
+        def construct(self, x):
+            return called[0](x), ops.matmul(x, x)
+
+    from_auto, from_o1 = amp.auto_mixed_precision(Outer(), "O1")(a)
+    assert (from_auto.dtype, from_o1.dtype) == (F16, F32)
+    assert inner(a).dtype == F16
+
+
+@pytest.mark.parametrize("level", ["O1", "auto"])
+def test_batchnorm_relu_runs_as_its_parts_where_their_rules_differ(level, rng):
+    """BatchNormReLU is BatchNorm, Add and ReLU: O1 runs ReLU in float16 and the other two as
+    given, "auto" runs BatchNorm in float32: neither casts the three alike, so the parts run."""
+    x = Tensor(rng.standard_normal((2, 8, 4, 4)).astype(np.float32))
+    minidl.set_seed(1)
+    _, recording = run_recorded(amp.auto_mixed_precision(BasicBlock(8, 8), level), x)
+    names = [name for name, _, _ in recording.without_casts()]
+    assert "BatchNormReLU" not in names
+    assert names.count("BatchNorm") == 2 and names.count("Add") == 1 and names.count("ReLU") == 2

@@ -101,3 +101,70 @@ def test_bad_arguments_raise_naming_the_argument(make, error, message):
 def test_the_update_cell_refuses_a_scale_that_is_not_a_parameter():
     with pytest.raises(TypeError, match="loss_scale must be the Parameter holding the scale"):
         nn.DynamicLossScaleUpdateCell(8, 2, 2)(minidl.Tensor(np.float32(8)), False)
+
+
+def test_the_smallest_values_mindspore_accepts_are_accepted():
+    assert amp.FixedLossScaleManager(1).get_loss_scale() == 1
+    manager = amp.DynamicLossScaleManager(init_loss_scale=1, scale_factor=1, scale_window=1)
+    manager.update_loss_scale(False)  # a window of 1: every clean step grows the scale (by 1 here)
+    assert (manager.get_loss_scale(), manager.cur_iter) == (1, 2)
+    growing = amp.DynamicLossScaleManager(init_loss_scale=1.0, scale_factor=0.5, scale_window=1)
+    growing.update_loss_scale(False)  # (a factor below 1 is allowed, as MindSpore's check is > 0)
+    assert growing.get_loss_scale() == 0.5
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: amp.FixedLossScaleManager("8"), TypeError,
+     "FixedLossScaleManager: loss_scale must be a number, got str '8'"),
+    (lambda: amp.DynamicLossScaleManager("8"), TypeError,
+     "DynamicLossScaleManager: init_loss_scale must be a number, got str '8'"),
+    (lambda: amp.DynamicLossScaleManager(scale_factor=None), TypeError,
+     "DynamicLossScaleManager: scale_factor must be a number, got NoneType None"),
+    (lambda: amp.DynamicLossScaleManager(scale_factor=-2), ValueError,
+     "DynamicLossScaleManager: the argument 'scale_factor' must be > 0, but got -2"),
+])
+def test_each_message_names_the_class_and_the_argument_in_full(make, error, message):
+    with pytest.raises(error) as raised:
+        make()
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("cell, args, message", [
+    (nn.DynamicLossScaleUpdateCell, ("8", 2, 2), "loss_scale_value must be a number > 0, got '8'"),
+    (nn.DynamicLossScaleUpdateCell, (8, True, 2), "scale_factor must be a number > 0, got True"),
+    (nn.DynamicLossScaleUpdateCell, (8, 0, 2), "scale_factor must be a number > 0, got 0"),
+    (nn.DynamicLossScaleUpdateCell, (8, 2, 2.0), "scale_window must be a positive int, got 2.0"),
+    (nn.FixedLossScaleUpdateCell, (True,), "loss_scale_value must be a number > 0, got True"),
+    (nn.FixedLossScaleUpdateCell, (0,), "loss_scale_value must be a number > 0, got 0"),
+])
+def test_the_update_cells_messages_name_the_cell_the_argument_and_the_value(cell, args, message):
+    with pytest.raises(ValueError) as raised:
+        cell(*args)
+    assert str(raised.value) == f"{cell.__name__}: {message}"
+
+
+def test_the_update_cells_accept_scales_and_factors_below_one_and_a_window_of_one():
+    cell = nn.DynamicLossScaleUpdateCell(0.5, 0.5, 1)
+    assert cell.get_loss_scale() == 0.5 and nn.FixedLossScaleUpdateCell(0.5).get_loss_scale() == 0.5
+    scale = minidl.Parameter(np.array(4.0, np.float32), requires_grad=False)
+    cell(scale, False)  # a window of 1: every clean step multiplies
+    assert float(scale.asnumpy()) == 2.0
+
+
+def test_the_update_cells_step_counters_are_int32_parameters_that_are_not_trained():
+    cell = nn.DynamicLossScaleUpdateCell(8, 2, 2)
+    assert cell.trainable_params() == []
+    assert [(p.dtype, p.requires_grad) for p in cell.get_parameters()] == [(np.dtype(np.int32), False)] * 2
+    with pytest.raises(TypeError, match=r"^DynamicLossScaleUpdateCell: loss_scale must be the Parameter holding the "
+                                        r"scale \(the step cell's scale_sense\), got Tensor$"):
+        cell(minidl.Tensor(np.float32(8)), False)
+
+
+def test_a_manager_of_ones_own_must_define_the_three_methods():
+    class Mine(amp.LossScaleManager):
+        pass
+
+    for call, name in ((lambda m: m.get_loss_scale(), "get_loss_scale"), (lambda m: m.update_loss_scale(True),
+                       "update_loss_scale"), (lambda m: m.get_update_cell(), "get_update_cell")):
+        with pytest.raises(NotImplementedError, match=f"^Mine.{name} is not defined$"):
+            call(Mine())

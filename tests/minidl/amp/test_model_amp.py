@@ -194,7 +194,8 @@ def test_eval_and_predict_run_the_cast_network_with_float32_outputs():
     ({"loss_scale_manager": amp.DynamicLossScaleManager(), "loss_scale": 8.0}, ValueError,
      "optimizer's loss_scale must be 1.0 with DynamicLossScaleManager .* got 8.0"),
     ({"loss_scale_manager": amp.FixedLossScaleManager(64.0, False)}, ValueError,
-     r"build it with loss_scale=64.0, got loss_scale=1.0"),
+     r"^Model: with FixedLossScaleManager\(loss_scale=64.0, drop_overflow_update=False\) the optimizer must divide "
+     r"the gradients by the same scale: build it with loss_scale=64.0, got loss_scale=1.0$"),
 ])
 def test_bad_arguments_raise_naming_them(kwargs, error, message):
     kwargs = dict(kwargs)  # (a copy: the parameter's dict is shared by every run of the test in this process)
@@ -202,6 +203,37 @@ def test_bad_arguments_raise_naming_them(kwargs, error, message):
     opt = momentum(net, loss_scale=kwargs.pop("loss_scale", 1.0))
     with pytest.raises(error, match=message):
         Model(net, ce_loss(), opt, **kwargs)
+
+
+class OwnOptimizer:
+    """An optimizer of the user's own (Model takes any callable with parameters): no loss_scale attribute."""
+
+    def __init__(self, inner):
+        self._inner, self.parameters = inner, inner.parameters
+
+    def parameters_and_names(self, *args, **kwargs):
+        return self._inner.parameters_and_names(*args, **kwargs)
+
+    def __call__(self, grads):
+        return self._inner(grads)
+
+
+def test_o2_trains_a_network_with_its_loss_inside_and_an_optimizer_without_loss_scale_as_by_hand():
+    """Model(nn.WithLossCell(net, loss), None, optimizer, amp_level="O2") casts the whole loss
+    network and steps it (no second WithLossCell); an optimizer without a loss_scale attribute
+    counts as one of scale 1.0, as MindSpore's check reads it."""
+    x, y = blobs(24)
+    net = mlp()
+    model = Model(nn.WithLossCell(net, ce_loss()), None, OwnOptimizer(momentum(net)), amp_level="O2",
+                  loss_scale_manager=amp.DynamicLossScaleManager(2 ** 10, 2, 2))
+    model.train(1, dataset(x, y, 8))
+    hand_net = mlp()
+    cast = amp.auto_mixed_precision(nn.WithLossCell(hand_net, ce_loss()), "O2")
+    update_cell = amp.DynamicLossScaleManager(2 ** 10, 2, 2).get_update_cell()
+    step = nn.TrainOneStepWithLossScaleCell(cast, momentum(hand_net), scale_sense=update_cell)
+    Model(step).train(1, dataset(x, y, 8))
+    assert_same(params(net), params(hand_net))
+    assert any(not np.array_equal(v, params(mlp())[k]) for k, v in params(net).items())  # it trained
 
 
 def test_amp_or_a_manager_without_an_optimizer_raise_as_mindspore():

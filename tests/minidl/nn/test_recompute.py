@@ -262,12 +262,13 @@ def test_dropout_masks_equal_and_the_next_step_draws_as_without():
     assert not np.array_equal(n1, m1)
 
 
-def test_a_seeded_dropout_primitive_draws_the_same_masks():
+@pytest.mark.parametrize("seed0, seed1", [(1, 2), (1, 0), (0, 2)])
+def test_a_seeded_dropout_primitive_draws_the_same_masks(seed0, seed1):
     class Seeded(nn.Cell):
         def __init__(self):
             super().__init__()
             self.fc = nn.Dense(4, 32)
-            self.dropout = ops.Dropout(keep_prob=0.5, seed0=1, seed1=2)
+            self.dropout = ops.Dropout(keep_prob=0.5, seed0=seed0, seed1=seed1)
 
         def construct(self, x):
             return self.dropout(self.fc(x))
@@ -289,6 +290,35 @@ def test_a_seeded_dropout_primitive_draws_the_same_masks():
     assert not np.array_equal(plain[0], plain[1])
     for a, b in zip(plain, recomputed):
         np.testing.assert_array_equal(b, a)
+
+
+def test_a_second_backward_through_the_same_graph_redraws_the_forwards_masks():
+    """backward(retain_graph=True) twice: each re-run starts from the seeded Dropout's state at the
+    forward (a copy of it, which the first re-run does not advance), so both give the gradient of
+    the forward's mask."""
+    minidl.set_seed(0)
+    fc = nn.Dense(4, 32)
+    dropout = ops.Dropout(keep_prob=0.5, seed0=3, seed1=4)
+
+    class Seeded(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.dropout = fc, dropout
+
+        def construct(self, x):
+            return self.dropout(self.fc(x))
+
+    cell = Seeded()
+    cell.recompute()
+    cell(Tensor(np.ones((4, 4), np.float32))).sum().backward()  # (a step before: the primitive's stream is under way)
+    fc.weight.grad = None
+    out = cell(Tensor(np.ones((4, 4), np.float32)))
+    out.sum().backward(retain_graph=True)
+    first = fc.weight.grad.asnumpy().copy()
+    fc.weight.grad = None
+    out.sum().backward()
+    np.testing.assert_array_equal(fc.weight.grad.asnumpy(), first)
+    assert np.any(first == 0) and np.any(first != 0)
 
 
 def test_tensor_backward_fills_the_same_grad():
@@ -368,13 +398,30 @@ def test_every_keyword_mindspore_accepts_is_accepted():
     ({"use_reentrant": None}, TypeError, "use_reentrant must be a bool, got None"),
     ({"output_recompute": 0}, TypeError, "output_recompute must be a bool, got 0"),
     ({"context_fn": contextlib.nullcontext}, ValueError, "context_fn is only supported when use_reentrant=False"),
-    ({"context_fn": 3, "use_reentrant": False}, TypeError, "context_fn must be a callable"),
+    ({"context_fn": 3, "use_reentrant": False}, TypeError, "context_fn must be a callable returning two context "
+                                                           "managers (forward, recomputation), got int"),
+    ({"early_stop": 1}, TypeError, "early_stop must be a bool, got 1 (int)"),
 ])
 def test_bad_arguments_raise_naming_the_value_and_change_nothing(kwargs, error, message):
     block = DenseBlock(3, 4)
-    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")) as raised:
         block.recompute(**kwargs)
+    assert str(raised.value).startswith(("recompute: ", "For 'recompute', keyword"))
     assert "construct" not in block.__dict__
+
+
+def test_output_recompute_takes_the_non_reentrant_path_where_context_fn_is_allowed():
+    entered = []
+
+    @contextlib.contextmanager
+    def note(what):
+        entered.append(what)
+        yield
+
+    block = DenseBlock(3, 4)
+    block.recompute(output_recompute=True, context_fn=lambda: (note("forward"), note("recompute")))
+    block(Tensor(np.ones((2, 3), np.float32))).sum().backward()
+    assert entered == ["forward", "recompute"]
 
 
 def test_a_cell_that_returns_a_tuple_is_refused_at_its_call():
@@ -409,6 +456,141 @@ def test_a_parameter_from_outside_the_cell_is_named_not_dropped():
     with pytest.raises(RuntimeError, match="UsesAnother used parameter 'weight', which needs a gradient but is "
                                            "neither an argument of the cell nor one of its trainable_params"):
         cell(Tensor(np.ones((1, 3), np.float32))).sum().backward()
+
+
+def test_a_tensor_from_outside_the_cell_is_named_by_its_shape():
+    outside = Tensor(np.ones(3, np.float32), requires_grad=True)  # (a Tensor, not a Parameter: no name)
+
+    class UsesATensor(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(3, 3)
+
+        def construct(self, x):
+            return self.fc(x) * outside
+
+    cell = UsesATensor()
+    cell.recompute()
+    with pytest.raises(RuntimeError, match=r"UsesATensor used a tensor of shape \(3,\), which needs a gradient"):
+        cell(Tensor(np.ones((1, 3), np.float32))).sum().backward()
+
+
+def test_the_messages_name_a_nested_cell_by_its_path():
+    class Two(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(3, 3)
+
+        def construct(self, x):
+            return x, self.fc(x)
+
+    net = nn.SequentialCell(nn.Dense(3, 3), Two())
+    net[1].recompute()
+    with pytest.raises(TypeError, match=r"^recompute: Two '1' returned tuple; a recomputed cell must return one "
+                                         r"Tensor"):
+        net(Tensor(np.ones((1, 3), np.float32)))
+
+
+class Scaled(nn.Cell):
+    """No parameters: it multiplies by an int factor, and by a keyword tensor when given one."""
+
+    def construct(self, x, factor, scale=None):
+        y = x * factor
+        return y if scale is None else y * scale
+
+
+def test_a_cell_without_parameters_is_recomputed_only_for_an_input_that_needs_a_gradient():
+    cell = Scaled()
+    cell.recompute()
+    plain = cell(Tensor(np.ones((2, 3), np.float32)), 2, scale=Tensor(np.float32(3)))
+    assert plain.grad_fn is None and np.all(plain.asnumpy() == 6)
+    x = Tensor(np.ones((2, 3), np.float32), requires_grad=True)
+    scale = Tensor(np.float32(3), requires_grad=True)
+    out = cell(x, 2, scale=scale)
+    assert isinstance(out.grad_fn, _Recomputation)
+    out.sum().backward()
+    np.testing.assert_array_equal(x.grad.asnumpy(), np.full((2, 3), 6, np.float32))
+    assert float(scale.grad.asnumpy()) == 12
+
+
+def test_keyword_arguments_and_a_construct_set_on_the_instance_are_recomputed_as_given():
+    """A cell's own construct (an instance attribute, as amp's casts set) is what recompute runs,
+    also when recompute is called again; keyword arguments reach it in both runs."""
+    def grads(recompute):
+        minidl.set_seed(6)
+        fc = nn.Dense(3, 2)
+        fc.construct = lambda x, scale: nn.Dense.construct(fc, x) * scale * 2
+        if recompute:
+            fc.recompute()
+            fc.recompute()
+        x = Tensor(np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3), requires_grad=True)
+        scale = Tensor(np.float32(3), requires_grad=True)
+        out = fc(x, scale=scale)
+        out.sum().backward()
+        return ([out.asnumpy(), x.grad.asnumpy(), scale.grad.asnumpy()]
+                + [p.grad.asnumpy() for p in fc.trainable_params()])
+
+    plain, recomputed = grads(False), grads(True)
+    for a, b in zip(plain, recomputed):
+        np.testing.assert_array_equal(b, a)
+    minidl.set_seed(6)
+    fc = nn.Dense(3, 2)
+    x = Tensor(np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3))
+    np.testing.assert_array_equal(plain[0], (fc(x) * 6).asnumpy())  # (the instance's construct ran)
+
+
+def test_run_recomputed_runs_the_cell_once_as_recompute_would_and_leaves_it_unchanged():
+    """minidl.nn.recompute.run_recomputed (a runtime's call_cell uses it for one call): the forward
+    in the first context, the re-run in the second, which closes before the re-run's ops run backward,
+    as Cell.recompute(context_fn=...) does; the cell keeps its construct."""
+    from minidl.nn.recompute import run_recomputed
+    from minidl.ops.primitive import Primitive
+
+    events = []
+
+    class Mark(Primitive):
+        def forward(self, x):
+            return x * 1
+
+        def backward(self, gy):
+            events.append("op backward")
+            return (gy,)
+
+    class Marked(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.mark = nn.Dense(3, 2), Mark()
+
+        def construct(self, x, scale):
+            return self.mark(self.fc(x)) * scale
+
+    @contextlib.contextmanager
+    def note(what):
+        events.append(f"{what} enter")
+        yield
+        events.append(f"{what} exit")
+
+    x, scale = Tensor(np.ones((1, 3), np.float32)), Tensor(np.float32(2))
+    order = ["recompute exit", "op backward"]
+    for through in (None, "recompute()"):
+        events.clear()
+        cell = Marked()
+        contexts = lambda: (note("forward"), note("recompute"))  # noqa: E731
+        if through == "recompute()":
+            cell.recompute(use_reentrant=False, context_fn=contexts)  # (Cell.recompute's own: never through)
+            out = cell(x, scale=scale)
+        else:
+            out = run_recomputed(cell, (x,), {"scale": scale}, contexts)
+        assert events == ["forward enter", "forward exit"] and isinstance(out.grad_fn, _Recomputation)
+        out.sum().backward()
+        assert events[2:] == ["recompute enter"] + order, through
+        # (run_recomputed leaves the cell as it was)
+        assert ("construct" in cell.__dict__) == (through == "recompute()")
+        np.testing.assert_array_equal(cell.fc.weight.grad.asnumpy(), np.full((2, 3), 2, np.float32))
+    fc = nn.Dense(3, 2)
+    fc.construct = lambda x: nn.Dense.construct(fc, x) * 2  # (an instance's own construct: the one that runs)
+    out = run_recomputed(fc, (x,), {}, contexts)
+    np.testing.assert_array_equal(out.asnumpy(), (nn.Dense.construct(fc, x) * 2).asnumpy())
 
 
 # ---- memory ----------------------------------------------------------------------------------

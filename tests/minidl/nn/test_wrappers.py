@@ -177,6 +177,8 @@ def test_the_step_cell_has_mindsporess_attributes():
     ({"return_grad": "yes"}, TypeError, "return_grad must be a bool, got 'yes'"),
     ({"network": None}, TypeError, "network must be a Cell returning the loss .* got NoneType"),
     ({"optimizer": None}, TypeError, "optimizer must be an Optimizer .* got NoneType"),
+    ({"network": 3}, TypeError, "network must be a Cell returning the loss .* got int"),
+    ({"optimizer": lambda grads: grads}, TypeError, "optimizer must be an Optimizer .* got function"),
 ])
 def test_bad_arguments_raise_naming_the_argument(kwargs, error, message):
     net = mlp()
@@ -192,6 +194,182 @@ def test_a_network_that_does_not_return_the_loss_raises():
     with pytest.raises(ValueError, match=r"the network must return the loss as a one-element Tensor, got shape "
                                          r"\(8, 3\); wrap the backbone with nn.WithLossCell"):
         step(minidl.Tensor(x))
+
+
+class Returns(nn.Cell):
+    def __init__(self, value):
+        super().__init__()
+        self.fc, self.value = nn.Dense(4, 3), value
+
+    def construct(self, x, y):
+        self.fc(x)
+        return self.value
+
+
+@pytest.mark.parametrize("value, got", [((minidl.Tensor(np.float32(1)),) * 2, "tuple of 2"), (1.5, "float")])
+def test_a_network_returning_a_tuple_or_a_number_is_named_in_the_message(value, got):
+    net = Returns(value)
+    step = nn.TrainOneStepCell(net, momentum(net))
+    with pytest.raises(ValueError, match=f"the loss as a one-element Tensor, got {got}; wrap the backbone"):
+        step(minidl.Tensor(np.ones((2, 4), np.float32)), minidl.Tensor(np.zeros(2, np.int32)))
+
+
+class ReducerRuntime(minidl.runtime.Runtime):
+    """A runtime whose gradient reducer, world size and lockstep the test sets, counting the asks."""
+
+    def __init__(self, reducer, size=1, lockstep=False):
+        self.reducer, self.size, self.lockstep, self.asked = reducer, size, lockstep, 0
+
+    def group_size(self):
+        return self.size
+
+    def trains_in_lockstep(self):
+        return self.lockstep
+
+    def grad_reducer(self, parameters):
+        self.asked += 1
+        return self.reducer
+
+
+class Overlapping:
+    """A reducer of the overlapping kind (ready per gradient, finish at the end), which doubles."""
+
+    def __init__(self):
+        self.fired, self.pending, self.called, self.broadcast = [], [], [], 0
+
+    def ready(self, index, grad):
+        self.fired.append((index, grad))
+        self.pending.append((index, grad))
+
+    def finish(self):
+        done, self.pending = sorted(self.pending, key=lambda f: f[0]), []
+        return tuple(minidl.Tensor(g.asnumpy() * 2) for _, g in done)
+
+    def __call__(self, grads):
+        self.called.append(grads)
+        return tuple(minidl.Tensor(g.asnumpy() * 2) for g in grads)
+
+
+def test_the_step_asks_the_runtime_again_when_its_size_lockstep_or_interception_change():
+    runtime = ReducerRuntime(Overlapping())
+    net, step = _net_and_step()
+    xs, ys = _batches(k=1, batch=8)
+    with runtime:
+        for change in (None, None, ("size", 2), ("lockstep", True), ("intercepts_ops", True)):
+            if change is not None:
+                setattr(runtime, *change)
+            _cell_steps(step, xs, ys)
+    assert runtime.asked == 4  # (not at the second step: nothing changed)
+
+
+def test_a_reducer_that_overlaps_gets_each_gradient_as_backward_makes_it():
+    """ready(index, gradient) during backward, then finish() gives what the optimizer applies;
+    a loss that reaches no parameter fires nothing, and the zero gradients go to the reducer whole."""
+    xs, ys = _batches(k=1, batch=8)
+    want = _manual_steps(xs, ys)[2]
+    reducer = Overlapping()
+    net, step = _net_and_step(sens=0.5)  # (sens 0.5 and the reducer's doubling cancel: the plain step)
+    with ReducerRuntime(reducer):
+        _cell_steps(step, xs, ys)
+    assert sorted(i for i, _ in reducer.fired) == list(range(len(step.weights))) and not reducer.called
+    for p in net.trainable_params():
+        np.testing.assert_array_equal(p.asnumpy(), want[p.name], err_msg=p.name)
+
+    class Unreached(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Dense(4, 3)
+
+        def construct(self, x, y):
+            return (x * 0).sum()
+
+    reducer = Overlapping()
+    unreached = Unreached()
+    step = nn.TrainOneStepCell(unreached, momentum(unreached))
+    with ReducerRuntime(reducer):
+        _cell_steps(step, xs, ys)
+    assert not reducer.fired and len(reducer.called) == 1
+    assert [float(np.abs(g.asnumpy()).sum()) for g in reducer.called[0]] == [0.0, 0.0]
+
+
+def test_a_reducer_asking_for_parameter_broadcast_broadcasts_once_or_is_refused_without_the_method():
+    class Broadcasting(Overlapping):
+        parameter_broadcast = True
+
+        def broadcast_parameters(self, tensors):
+            self.broadcast += 1
+
+    xs, ys = _batches(k=2, batch=8)
+    reducer = Broadcasting()
+    with ReducerRuntime(reducer):
+        _cell_steps(_net_and_step()[1], xs, ys)
+    assert reducer.broadcast == 1
+    reducer = Broadcasting()
+    with ReducerRuntime(reducer):
+        step = _net_and_step()[1]
+        assert step.reducer_flag  # (the runtime's reducer, asking for a broadcast, resolved)
+        step.grad_reducer = Overlapping()  # ... then one given before the first step: no broadcast
+        _cell_steps(step, xs, ys)
+    assert reducer.broadcast == 0
+
+    class NoMethod(Overlapping):
+        parameter_broadcast = True
+
+    refused = (r"^TrainOneStepCell: the grad reducer asks for parameter_broadcast but has no "
+               r"broadcast_parameters\(tensors\) method \(NoMethod\)$")
+    with ReducerRuntime(NoMethod()), pytest.raises(TypeError, match=refused):
+        _cell_steps(_net_and_step()[1], xs, ys)
+    with ReducerRuntime(3), pytest.raises(TypeError, match=r"^TrainOneStepCell: the runtime's grad reducer must be "
+                                                         r"callable \(grads -> grads\), got int$"):
+        _cell_steps(_net_and_step()[1], xs, ys)
+
+
+def test_a_reducer_with_ready_but_no_finish_is_called_with_every_gradient_at_once():
+    class ReadyOnly:
+        ready = None  # (not callable: not the overlapping kind)
+
+        def __init__(self):
+            self.called = 0
+
+        def __call__(self, grads):
+            self.called += 1
+            return grads
+
+    reducer = ReadyOnly()
+    reducer.ready = lambda index, grad: None  # (callable, but there is no finish)
+    xs, ys = _batches(k=1, batch=8)
+    with ReducerRuntime(reducer):
+        _cell_steps(_net_and_step()[1], xs, ys)
+    assert reducer.called == 1
+
+
+@pytest.mark.call_site
+def test_the_overflow_warning_names_the_line_that_called_the_step():
+    class Overflowed(Overlapping):
+        def overflowed(self):
+            return True
+
+    xs, ys = _batches(k=1, batch=8)
+    step = _net_and_step()[1].set_train()
+    with ReducerRuntime(Overflowed()), pytest.warns(RuntimeWarning) as caught:
+        step(minidl.Tensor(xs[0]), minidl.Tensor(ys[0]))
+    assert caught[0].filename == __file__
+
+
+def test_reduced_gradients_that_overflowed_skip_the_optimizer_with_a_warning():
+    class Overflowed(Overlapping):
+        def overflowed(self):
+            return True
+
+    xs, ys = _batches(k=1, batch=8)
+    net, step = _net_and_step()
+    before = {p.name: p.asnumpy().copy() for p in net.trainable_params()}
+    message = (r"^TrainOneStepCell: the reduced gradients hold inf or NaN \(a compressed 16-bit sum out of range, or a "
+               r"non-finite gradient on some rank\); the optimizer skips this step$")
+    with ReducerRuntime(Overflowed()), pytest.warns(RuntimeWarning, match=message):
+        _cell_steps(step, xs, ys)
+    for p in net.trainable_params():
+        np.testing.assert_array_equal(p.asnumpy(), before[p.name], err_msg=p.name)
 
 
 def test_model_trains_a_step_cell_given_no_loss_fn_or_optimizer_as_mindspore():
@@ -462,13 +640,61 @@ def test_a_tensor_scale_with_no_update_cell_skips_without_changing_and_set_sense
 
 
 @pytest.mark.parametrize("scale_sense, error, message", [
-    (minidl.Tensor(np.ones((2,), np.float32)), ValueError, r"the shape of 'scale_sense' must be \(1,\) or \(\), but got \(2,\)"),
-    (1024.0, TypeError, r"the 'scale_sense' must be Cell or Tensor, but got 'scale_sense' type: float"),
-    (nn.ReLU(), TypeError, r"a Cell 'scale_sense' must have get_loss_scale\(\)"),
+    (minidl.Tensor(np.ones((2,), np.float32)), ValueError,
+     r"^For 'TrainOneStepWithLossScaleCell', the shape of 'scale_sense' must be \(1,\) or \(\), but got \(2,\)"),
+    (1024.0, TypeError, r"^For 'TrainOneStepWithLossScaleCell', the 'scale_sense' must be Cell or Tensor, but got "
+                        r"'scale_sense' type: float"),
+    (nn.ReLU(), TypeError, r"^For 'TrainOneStepWithLossScaleCell', a Cell 'scale_sense' must have get_loss_scale\(\) "
+                           r"\(an update cell such as nn.DynamicLossScaleUpdateCell\), got ReLU$"),
 ])
 def test_bad_scale_sense_raises_as_mindspore(scale_sense, error, message):
     with pytest.raises(error, match=message):
         _loss_scale_step(scale_sense)
+
+
+@pytest.mark.parametrize("scale_sense", [lambda: nn.DynamicLossScaleUpdateCell(2 ** 10, 2, 2),
+                                         lambda: minidl.Tensor(np.float64(2 ** 10))],
+                         ids=["int_scale_cell", "float64_tensor"])
+def test_the_scale_is_a_float32_parameter_whatever_type_it_is_given_in(scale_sense):
+    _, step = _loss_scale_step(scale_sense())
+    assert step.scale_sense.dtype == np.float32 and float(step.scale_sense.asnumpy()) == 2 ** 10
+    assert not step.scale_sense.requires_grad
+
+
+def test_a_step_whose_reducer_only_accumulates_reports_no_overflow_and_leaves_the_scale():
+    from minidl import amp
+    xs, ys = _batches(k=1, batch=8)
+    net, step = _loss_scale_step(amp.DynamicLossScaleManager(2 ** 10, 2, 1).get_update_cell())
+    step.grad_reducer = lambda grads: None  # (what an accumulating reducer returns until its last micro-step)
+    step.set_train()
+    before = _params(net)
+    with np.errstate(over="ignore", invalid="ignore"):
+        _, overflow, scale = step(minidl.Tensor(_overflowing(xs[0])), minidl.Tensor(np.arange(8, dtype=np.int32) % 3))
+    assert overflow.dtype == np.bool_ and bool(overflow.asnumpy()) is False
+    assert float(step.scale_sense.asnumpy()) == 2 ** 10 == float(scale.asnumpy())
+    assert all(np.array_equal(v, before[n]) for n, v in _params(net).items())
+
+
+def test_data_parallel_the_overflow_flag_is_summed_even_where_no_all_reduce_carries_the_inf():
+    """A reducer that does not all-reduce (as for tensor-parallel blocks or reduce-scattered
+    slices): rank 1's overflow still skips the step, and halves the scale, on both ranks."""
+    from minidl import amp
+
+    def body(xs, ys, set_mode):
+        import minidl_parallel as mp
+        set_mode()
+        net, step = _loss_scale_step(amp.DynamicLossScaleManager(2 ** 8, 2, 100).get_update_cell())
+        step.grad_reducer = lambda grads: grads  # (each rank keeps its own gradients)
+        step.set_train()
+        before = _params(net)
+        x0 = _overflowing(xs[0]) if mp.get_rank() == 1 else xs[0]
+        with np.errstate(over="ignore", invalid="ignore"):
+            _, overflow, _ = step(minidl.Tensor(x0), minidl.Tensor(np.arange(len(ys[0]), dtype=np.int32) % 3))
+        skipped = all(np.array_equal(v, before[n]) for n, v in _params(net).items())
+        return bool(overflow.asnumpy()), skipped, float(step.scale_sense.asnumpy())
+
+    for rank in _data_parallel(n=2, k=1, per_rank=4, body=body)[2]:
+        assert rank == (True, True, 128.0)
 
 
 @pytest.mark.parametrize("compression", [None, "fp16"])

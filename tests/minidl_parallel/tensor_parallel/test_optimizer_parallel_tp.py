@@ -18,6 +18,7 @@ from minidl.runtime import get_runtime
 from minidl.train import Model
 import minidl_parallel as mp
 from minidl_parallel import run_threads
+from minidl_parallel.optimizer_parallel.reducer import OptimizerParallelReducer
 from minidl_parallel.optimizer_parallel.slices import OptimizerSlice
 from minidl_parallel.tensor_parallel import StrategyError
 
@@ -101,7 +102,9 @@ def test_each_block_is_sliced_over_its_replicas_and_training_is_unchanged(mode, 
 
 
 def test_bad_shard_sizes_raise_on_every_rank():
-    with pytest.raises(ValueError, match=r"optimizer_weight_shard_size'\] = 4 must divide the 2 ranks holding"):
+    # (the message names the block's layout: columns cut in 2 on a [2, 1, 2] device matrix)
+    with pytest.raises(ValueError, match=r"optimizer_weight_shard_size'\] = 4 must divide the 2 ranks holding the same "
+                                         r"block of parameter 'dense1.weight' \(\(-, c\) on \[2, 1, 2\]\)$"):
         run_threads(4, _run, True, "semi_auto_parallel", "level1", 4)
 
 
@@ -273,3 +276,131 @@ def test_a_parameter_no_operator_reaches_is_left_alone(level):
 
     for unused in run_threads(4, rank_body):
         np.testing.assert_array_equal(unused, 1.0)
+
+
+class _UsedTwice(nn.Cell):
+    """One weight read by two MatMuls: one splits the batch (the weight's gradient is left partial over
+    both ranks, its slice group), one repeats the whole computation on each rank (nothing partial)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = Parameter(np.random.default_rng(0).standard_normal((4, 4)), name="weight")
+        self.split = ops.MatMul().shard(((2, 1), (1, 1)))
+        self.repeat = ops.MatMul().shard(((1, 1), (1, 1)))
+        self.add = ops.Add()
+
+    def construct(self, x):
+        return self.add(self.split(x, self.weight), self.repeat(x, self.weight))
+
+
+def _train_used_twice(zero, level):
+    mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", enable_parallel_optimizer=zero,
+                                 parallel_optimizer_config={"optimizer_level": level, "parallel_optimizer_threshold": 0,
+                                                            "gradient_accumulation_shard": level == "level2"})
+    net = _UsedTwice()
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.SGD(net.trainable_params(), 0.1))
+    x = np.arange(16.0).reshape(4, 4) / 16
+    for _ in range(2):  # the first step plans (its gradients all-reduced by the operators), the second defers
+        step(Tensor(x), Tensor(np.zeros((4, 4))))
+    return _whole(net.weight)
+
+
+def test_a_weight_left_partial_by_one_operator_and_reduced_by_another_is_refused_at_level2():
+    with pytest.raises(ValueError) as raised:
+        run_threads(2, _train_used_twice, True, "level2")
+    assert str(raised.value).endswith(
+        "OptimizerParallelReducer: parameter 'weight' reached this step's backward through operators that left its "
+        "gradient partial over its slice group and others that reduced it over other ranks; optimizer_level 'level1' "
+        "reduces every gradient in the operators")
+    # level1 reduces it in the operators: trained as without optimizer parallelism
+    for want, got in zip(run_threads(2, _train_used_twice, False, "level1"),
+                         run_threads(2, _train_used_twice, True, "level1")):
+        np.testing.assert_array_equal(got, want)
+
+
+def _tp_reducer(params, level="level1", shard_size=-1, threshold=0):
+    mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+    config = {"optimizer_level": level, "parallel_optimizer_threshold": threshold,
+              "optimizer_weight_shard_size": shard_size, "gradient_accumulation_shard": False}
+    return OptimizerParallelReducer(params, config, tensor_parallel=True)
+
+
+def test_a_parameter_no_operator_placed_is_sliced_over_every_rank():
+    # Called directly (no operator ran): w (5, 3) whole on each of the 2 ranks, sliced in rows of 3;
+    # a one-row (1, 4) is sliced too (rank 1 holds none of it); the gradients come back as this
+    # rank's rows with the slice's placement, and a parameter without gradient gets None.
+    def rank_body():
+        w = Parameter(np.zeros((5, 3)), name="w")
+        row = Parameter(np.zeros((1, 4)), name="row")
+        reducer = _tp_reducer([w, row])
+        g = np.arange(15.0).reshape(5, 3)
+        out = reducer((g, None))
+        return mp.get_rank(), reducer.placements, out, w.placement
+
+    for rank, placements, (gw, grow), w_placement in run_threads(2, rank_body):
+        assert [(s.block, s.rows, s.group_size, s.index) for s in placements] == [((5, 3), 3, 2, rank),
+                                                                                   ((1, 4), 1, 2, rank)]
+        assert grow is None
+        assert gw.placement == placements[0] and w_placement == placements[0]
+        np.testing.assert_array_equal(to_numpy(gw.data), np.arange(15.0).reshape(5, 3)[3 * rank:3 * rank + 3])
+
+
+def test_a_direct_call_names_a_gradient_of_another_shape_than_the_block():
+    def rank_body():
+        w = Parameter(np.zeros((6, 3)), name="w")
+        small = Parameter(np.zeros(2), name="small")  # under the threshold: kept whole
+        reducer = _tp_reducer([w, small], threshold=1)
+        assert reducer((np.ones((6, 3)), None))[1] is None  # (kept whole, no gradient: None)
+        with pytest.raises(ValueError) as raised:
+            reducer((np.ones((6, 3)), np.ones(3)))
+        return str(raised.value)
+
+    for message in run_threads(2, rank_body):
+        assert message == ("OptimizerParallelReducer: the gradient of 'small' has shape (3,), but the parameter holds "
+                           "a block of shape (2,)")
+
+
+def test_a_shard_size_that_does_not_divide_the_ranks_of_an_unplaced_parameter_is_named():
+    def rank_body():
+        _tp_reducer([Parameter(np.zeros((6, 3)), name="w")], shard_size=3).plan()
+
+    with pytest.raises(ValueError, match=r"^rank \d of 4: OptimizerParallelReducer: parallel_optimizer_config"
+                                         r"\['optimizer_weight_shard_size'\] = 3 must divide the 4 ranks holding the "
+                                         r"same block of parameter 'w' \(replicated\)$"):
+        run_threads(4, rank_body)
+
+
+@pytest.mark.parametrize("level", ["level1", "level2"])
+def test_float32_blocks_keep_float32_gradients(level):
+    def rank_body():
+        mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", enable_parallel_optimizer=True,
+                                     parallel_optimizer_config={"optimizer_level": level,
+                                                                "gradient_accumulation_shard": level == "level2",
+                                                                "parallel_optimizer_threshold": 0})
+        rng = np.random.default_rng(0)
+        net = Dense(rng.standard_normal((12, 10)).astype(np.float32), rng.standard_normal(10).astype(np.float32))
+        net.matmul.shard(((2, 1), (1, 2)))
+        step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.Momentum(net.trainable_params(), 0.1, 0.9),
+                                   return_grad=True)
+        x, y = Tensor(np.ones((4, 12), dtype=np.float32)), Tensor(np.zeros((4, 10), dtype=np.float32))
+        step(x, y)  # the first step slices
+        _, grads = step(x, y)
+        return {name: (g.dtype, g.placement) for name, g in grads.items()}
+
+    for grads in run_threads(4, rank_body):
+        assert {name: dtype for name, (dtype, _) in grads.items()} == dict.fromkeys(grads, minidl.float32)
+        assert isinstance(grads["weight"][1], OptimizerSlice)
+
+
+def test_the_plan_is_made_once_per_communicator():
+    # (planning agrees across the ranks: a collective; a second plan() must not repeat it)
+    def rank_body():
+        world = mp.get_communicator()
+        reducer = _tp_reducer([Parameter(np.zeros((6, 3)), name="w")])
+        reducer.plan()
+        before = world.collective_count
+        reducer.plan()
+        reducer((np.ones((6, 3)),))  # level1: the block's rows cut locally, no collective
+        return world.collective_count - before
+
+    assert run_threads(2, rank_body) == [0, 0]

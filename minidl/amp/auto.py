@@ -128,7 +128,6 @@ def auto_mixed_precision(network, amp_level="O0", dtype=float16):
             else:
                 _set_cast(cell, dtype, None)
         wrapped = _OutputTo32(network)
-    wrapped._amp_level = amp_level
     return wrapped
 
 

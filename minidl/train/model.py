@@ -210,7 +210,6 @@ class Model:
                              f"step around it), but optimizer is None; pass optimizer=, or amp_level='O0'")
         if optimizer is None and kwargs.get("loss_scale_manager") is not None:
             raise ValueError("Model: the argument 'optimizer' can not be None when set 'loss_scale_manager'")
-        self._amp_level = amp_level
         train_network = network
         if optimizer is not None and (amp_level != "O0" or kwargs.get("loss_scale_manager") is not None):
             network, train_network = amp_networks(network, loss_fn, optimizer, amp_level, kwargs)

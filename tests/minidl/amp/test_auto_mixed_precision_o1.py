@@ -14,14 +14,9 @@ by returning every intermediate value from construct:
   input type; ReduceSum, ReLU, Add (on no list) their input type; ops.Dense called directly
   float16; Conv2D float16.
 
-The check the op call pays for this when no O1/"auto" network runs (one thread-local read in
-``Primitive.__call__``), measured in one process: Primitive.__call__ with the check (A) and with
-the body it had before (B, patched in) alternating round by round, 30 rounds, each round 20,000
-calls of a ReLU on a 1-element tensor and 200 training steps of the README's 4-16-3 MLP
-(value_and_grad + Momentum, batch 64). On an AMD EPYC (2 cores shared with other jobs, load
-average 4-5): A 4.32 us vs B 4.29 us per op call, A 536 us vs B 529 us per step; the same harness
-with A against A read 4.84 vs 5.09 us and 323 vs 359 us, so the difference is inside its spread.
-``python3 -m timeit`` gives the read itself: 41 ns, against 8 ns for ``x is not None`` on a local.
+The check the op call pays for this when no O1/"auto" network runs is one thread-local read in
+``Primitive.__call__``; no benchmark in the repository measures it on its own (an A/B of a
+training step, ``benchmarks/bench_step_ab.py``, is where to look before making it dearer).
 """
 import copy
 import threading

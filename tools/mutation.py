@@ -54,11 +54,14 @@ TARGETS = {
     # loss scale managers), recompute, loss scaling's cells, and the strategy checkpoint file
     "amp": (["minidl/amp/policy.py", "minidl/amp/auto.py", "minidl/amp/build.py", "minidl/amp/loss_scale.py",
              "minidl/amp/op_lists.py"], ["tests/minidl/amp"]),
-    "recompute": (["minidl/nn/recompute.py"], ["tests/minidl/nn/test_recompute.py"]),
+    "recompute": (["minidl/nn/recompute.py"], ["tests/minidl/nn/test_recompute.py",
+                                                 "tests/minidl_parallel/tensor_parallel/test_recompute_tp.py"]),
     "loss_scale_cells": (["minidl/nn/loss_scale_cells.py"],
                          ["tests/minidl/amp", "tests/minidl/nn/test_wrappers.py"]),
     "strategy_file": (["minidl_parallel/tensor_parallel/strategy_file.py"],
-                      ["tests/minidl_parallel/test_strategy_ckpt.py"]),
+                      ["tests/minidl_parallel/test_strategy_ckpt.py",
+                       # record_optimizer_slices: only the optimizer-parallel reducer writes it
+                       "tests/minidl_parallel/tensor_parallel/test_optimizer_parallel_tp.py"]),
     # issue 31: optimizer parallelism (ZeRO) under DATA_PARALLEL and the tensor-parallel modes; not the
     # mpirun test (its ranks are subprocesses, "no tests" to mutmut) nor the slow matrices (deselected)
     "optimizer_parallel": (["minidl_parallel/optimizer_parallel", "minidl_parallel/optimizer_parallel_config.py"],

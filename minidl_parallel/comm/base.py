@@ -25,13 +25,23 @@ A backend implements only the private primitives below (``_allreduce``, ``_allga
 ``_reduce_scatter``, ``_bcast``, ``_alltoall``, ``_barrier``, ``_allgather_object``,
 ``_split``, optionally ``_iallreduce``) on C-contiguous buffers; this base class turns axes,
 ``mean``, in-place variants, validation, counting and debug checks into calls to them.
+
+Point-to-point messages (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``) are
+not collective: two ranks take part. Their waits are bounded and reported like the collectives'
+(the peer is the rank that has not arrived), and a receive checks what arrives against what it
+expects (comm/p2p.py); a backend implements ``_isend`` and ``_irecv``.
 """
+import contextlib
 import math
 import os
 import sys
 import time
 import warnings
 from abc import ABC, abstractmethod
+
+import numpy
+
+from .p2p import Fingerprint, P2POp, check_peer, check_tag, mismatch
 
 REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
 DEFAULT_TIMEOUT_S = 600.0  # PyTorch's NCCL default: long enough for a slow first step or checkpoint
@@ -98,12 +108,14 @@ def _check_seconds(value, who):
 
 
 class CallInfo:
-    """What a rank is doing in a collective: name, sequence number, shape, dtype (for messages)."""
+    """What a rank is doing in a collective or a point-to-point message: name, sequence number,
+    shape, dtype and, for a send or receive, the peer and tag (for messages)."""
 
-    __slots__ = ("name", "seq", "shape", "dtype", "phase")
+    __slots__ = ("name", "seq", "shape", "dtype", "phase", "peer", "tag")
 
-    def __init__(self, name, seq, shape, dtype, phase=""):
+    def __init__(self, name, seq, shape, dtype, phase="", peer=None, tag=None):
         self.name, self.seq, self.shape, self.dtype, self.phase = name, seq, shape, dtype, phase
+        self.peer, self.tag = peer, tag
 
     def key(self):
         """What two ranks waiting in the same collective share."""
@@ -112,6 +124,9 @@ class CallInfo:
     def __str__(self):
         args = "" if self.shape is None else f"shape={self.shape}, dtype={self.dtype}"
         phase = f" ({self.phase})" if self.phase else ""
+        if self.peer is not None:
+            direction = "to" if self.name == "send" else "from"
+            return f"{self.name} #{self.seq} {direction} rank {self.peer} (tag {self.tag}, {args}){phase}"
         return f"{self.name} #{self.seq}({args}){phase}"
 
 
@@ -174,6 +189,8 @@ class Communicator(ABC):
         collective_count: how many collectives this rank has called on this communicator
             (one per public call: allreduce, allreduce_, iallreduce_, allgather,
             reduce_scatter, broadcast, alltoall, barrier), for tests that count them.
+        sent_messages, sent_bytes, received_messages, received_bytes: the point-to-point
+            messages (send, isend, recv, irecv) this rank has started on this communicator.
         debug: 0, 1 or 2 (True means 1): whether every collective first checks that all
             ranks make the same call, and with level 2 from the same line
             (default: the ``MINIDL_DIST_DEBUG`` environment variable).
@@ -196,6 +213,8 @@ class Communicator(ABC):
         self.stall_warning = (stall_warning_from_env() if stall_warning is None
                               else _check_seconds(stall_warning, "stall_warning"))
         self.collective_count = 0
+        self.sent_messages = self.sent_bytes = self.received_messages = self.received_bytes = 0
+        self._p2p_seq = {}  # (kind, peer, tag) -> messages so far: pairs a send with its receive
         self._call = CallInfo("(none)", -1, None, None)  # the latest collective begun, for messages
 
     def _settings(self):
@@ -265,6 +284,22 @@ class Communicator(ABC):
     @abstractmethod
     def _split(self, ranks):
         """Returns the communicator over ``ranks`` (this group's rank numbers, in that order)."""
+
+    def _isend(self, buf, dest, tag, call, fingerprint):
+        """Starts sending the C-contiguous ``buf`` to ``dest``; returns a function that waits until
+        buf may be written again (None when it already may). ``fingerprint`` (p2p.Fingerprint)
+        travels with the message where the backend carries it."""
+        raise NotImplementedError(f"the {self.backend} backend has no point-to-point messages")
+
+    def _irecv(self, buf, source, tag, call, fingerprint):
+        """Starts receiving into the C-contiguous ``buf`` from ``source``; returns a function that
+        waits for the message (bounded by ``timeout``) and raises when it does not fit
+        ``fingerprint`` (what this rank expects)."""
+        raise NotImplementedError(f"the {self.backend} backend has no point-to-point messages")
+
+    def _p2p_batch(self):
+        """A context in which the sends and receives started form one batch (nccl: one group)."""
+        return contextlib.nullcontext()
 
     def release(self):
         """Frees the backend's resources; the communicator is unusable afterwards."""
@@ -398,6 +433,82 @@ class Communicator(ABC):
     def new_group(self, ranks):
         """Alias of :meth:`split` (MindSpore/PyTorch spelling)."""
         return self.split(ranks)
+
+    # ---- point-to-point -----------------------------------------------------------------
+
+    def send(self, x, dest, tag=0):
+        """Sends x to rank ``dest``, which receives it with ``recv(buf, source=this rank, tag)``.
+
+        Returns once x may be written again: the threads backend copies it, mpi hands it to MPI
+        (a large message waits for its receive to start), nccl enqueues it on the current stream
+        as its collectives. Messages from one rank to another with one tag arrive in order.
+        """
+        self.isend(x, dest, tag).wait()
+
+    def recv(self, buf, source, tag=0):
+        """Receives the next message of rank ``source`` with ``tag`` into ``buf`` (in place) and
+        returns buf. Waits at most ``timeout`` seconds; the timeout names the sender."""
+        return self.irecv(buf, source, tag).wait()
+
+    def isend(self, x, dest, tag=0):
+        """Starts :meth:`send` and returns a :class:`Request`; x must not be written until its
+        ``wait()`` returns."""
+        call, fingerprint = self._begin_p2p("send", x, dest, tag)
+        wait_fn = self._isend(self._contiguous(x), dest, tag, call, fingerprint)
+        self.sent_messages += 1
+        self.sent_bytes += int(x.nbytes)
+        return Request(wait_fn, x)
+
+    def irecv(self, buf, source, tag=0):
+        """Starts :meth:`recv` into ``buf`` and returns a :class:`Request` whose ``wait()`` returns
+        buf, filled; buf must not be read or written until then."""
+        call, fingerprint = self._begin_p2p("recv", buf, source, tag)
+        target = self._contiguous(buf)
+        wait_fn = self._irecv(target, source, tag, call, fingerprint)
+        self.received_messages += 1
+        self.received_bytes += int(buf.nbytes)
+
+        def finish():
+            if target is not buf:
+                buf[...] = target
+        return Request(wait_fn, buf, finish)
+
+    def batch_isend_irecv(self, ops):
+        """Starts every :class:`~minidl_parallel.comm.p2p.P2POp` of ``ops`` and returns their
+        Requests, in order (PyTorch's ``batch_isend_irecv``).
+
+        A rank that sends to a peer while that peer sends to it (a pipeline stage passing an
+        activation forward while the next stage passes a gradient back) must start both before
+        waiting: nccl runs the batch as one group, and MPI's large sends wait for their receive.
+        """
+        ops = list(ops)
+        for op in ops:
+            if not isinstance(op, P2POp):
+                raise TypeError(f"batch_isend_irecv: ops must be P2POp objects, got {type(op).__name__}: {op!r}")
+        with self._p2p_batch():
+            return [self.isend(op.array, op.peer, op.tag) if op.op == "send" else self.irecv(op.array, op.peer, op.tag)
+                    for op in ops]
+
+    def _begin_p2p(self, kind, x, peer, tag):
+        """Checks the peer and tag, numbers the message for its pair, and names it for messages."""
+        who = "send" if kind == "send" else "recv"
+        if not (isinstance(x, numpy.ndarray) or type(x).__module__.startswith("cupy")):
+            raise TypeError(f"{who}: takes a NumPy or CuPy array, got {type(x).__module__}.{type(x).__name__} "
+                            f"(a 0-d array is numpy.asarray(value))")
+        check_peer(peer, self.rank, self.size, who)
+        check_tag(tag, who)
+        key = (kind, peer, tag)
+        seq = self._p2p_seq.get(key, 0)
+        self._p2p_seq[key] = seq + 1
+        shape, dtype = tuple(int(d) for d in x.shape), str(x.dtype)
+        call = self._call = CallInfo(kind, seq, shape, dtype, peer=peer, tag=tag)
+        site = _call_site() if self.debug >= 2 else None
+        return call, Fingerprint(seq, shape, dtype, site)
+
+    def _check_fingerprint(self, received, expected, call, peer):
+        problem = mismatch(received, expected, call, peer)
+        if problem is not None:
+            raise RuntimeError(f"minidl_parallel: rank {self.rank} of {self.size} ({self.backend} backend): {problem}")
 
     # ---- helpers ------------------------------------------------------------------------
 

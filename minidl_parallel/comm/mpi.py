@@ -43,6 +43,7 @@ import traceback
 import numpy
 
 from .base import CallInfo, Communicator, _xp, user_frame
+from .p2p import Fingerprint
 
 __all__ = ["MpiCommunicator", "Watch", "Watchdog", "import_mpi", "watch", "stop_watchdog"]
 
@@ -187,8 +188,9 @@ def describe_state(state):
     if state[0] == "outside":
         latest = "none yet" if state[1] is None else f"{state[1]}, which began {state[2]:.1f} s ago"
         return f"is running outside any collective (busy or stalled; its latest collective: {latest})"
-    members, name, seq, shape, dtype, phase = state
-    return f"waits in {CallInfo(name, seq, shape, dtype, phase)} of the group of world ranks {list(members)}"
+    members, name, seq, shape, dtype, phase, peer, tag = state
+    return (f"waits in {CallInfo(name, seq, shape, dtype, phase, peer, tag)} of the group of world ranks "
+            f"{list(members)}")
 
 
 class Watchdog:
@@ -303,6 +305,7 @@ class MpiCommunicator(Communicator):
         local.Free()
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
         self._children = []  # communicators split from this one, released with it
+        self._headers = []  # the debug fingerprints' pending isends, kept alive until sent
         # The watchdog thread calls MPI (questions, Abort) while this thread is in a blocking
         # collective: that needs MPI_THREAD_MULTIPLE; below it, poll non-blocking calls instead.
         self._polled = MPI.Query_thread() < MPI.THREAD_MULTIPLE
@@ -416,6 +419,54 @@ class MpiCommunicator(Communicator):
         self._wait(self.comm.Iallgatherv(data, [out, sizes.tolist(), displs.tolist(), self._MPI.BYTE]))
         return [pickle.loads(out[d:d + s].tobytes()) for d, s in zip(displs.tolist(), sizes.tolist())]
 
+    # ---- point-to-point (comm/p2p.py): user tag t travels as MPI tag 2t, its fingerprint 2t + 1 ----
+
+    def _complete(self, request, call, status=None):
+        """Waits for one MPI request, bounded (the watchdog, or polling below THREAD_MULTIPLE)."""
+        if self._polled and self._bounded():
+            self._wait_for(lambda: request.Test(status), call)
+        else:
+            self._call_blocking(call, request.Wait, status)
+
+    def _send_fingerprint(self, fingerprint, dest, tag):
+        self._headers = [r for r in self._headers if not r.Test()]  # the sent ones are done with
+        self._headers.append(self.comm.isend(tuple(fingerprint), dest=dest, tag=2 * tag + 1))
+
+    def _recv_fingerprint(self, source, tag, call):
+        if self._polled and self._bounded():
+            self._wait_for(lambda: self.comm.Iprobe(source=source, tag=2 * tag + 1), call)
+        return Fingerprint(*self._call_blocking(call, self.comm.recv, source=source, tag=2 * tag + 1))
+
+    def _isend(self, buf, dest, tag, call, fingerprint):
+        host = _host(buf)  # a device buffer's host copy is the message: the closure keeps it alive
+        if self.debug:
+            self._send_fingerprint(fingerprint, dest, tag)
+        request = self.comm.Isend(_words(host), dest=dest, tag=2 * tag)
+        return lambda: self._complete(request, call)
+
+    def _irecv(self, buf, source, tag, call, fingerprint):
+        host = buf if isinstance(buf, numpy.ndarray) else numpy.empty(buf.shape, dtype=buf.dtype)
+        request = self.comm.Irecv(_words(host), source=source, tag=2 * tag)
+
+        def wait():
+            if self.debug:
+                self._check_fingerprint(self._recv_fingerprint(source, tag, call), fingerprint, call, source)
+            status = self._MPI.Status()
+            try:
+                self._complete(request, call, status)
+            except self._MPI.Exception as exc:  # MPI_ERR_TRUNCATE: the message is larger than buf
+                raise RuntimeError(f"minidl_parallel: rank {self.rank} of {self.size} (mpi backend): {call}: MPI "
+                                   f"could not receive rank {source}'s message into {host.nbytes} bytes ({exc}); "
+                                   f"set MINIDL_DIST_DEBUG=1 to compare the shapes and dtypes sent") from None
+            got = status.Get_count(self._MPI.BYTE)
+            if got != host.nbytes:
+                raise RuntimeError(f"minidl_parallel: rank {self.rank} of {self.size} (mpi backend): {call}: rank "
+                                   f"{source} sent {got} bytes, this rank expects {host.nbytes}; set "
+                                   f"MINIDL_DIST_DEBUG=1 to compare the shapes and dtypes sent")
+            if host is not buf:
+                buf.set(host)
+        return wait
+
     def _split(self, ranks):
         # Create_group is collective over the new group only, so ranks outside it need not call.
         parent = self.comm.Get_group()
@@ -432,7 +483,7 @@ class MpiCommunicator(Communicator):
     # ---- stalls and timeouts ------------------------------------------------------------
 
     def _state(self, call):
-        return (self.world_ranks, call.name, call.seq, call.shape, call.dtype, call.phase)
+        return (self.world_ranks, call.name, call.seq, call.shape, call.dtype, call.phase, call.peer, call.tag)
 
     def _serve_peers(self, call):
         if _watch["watch"] is not None:
@@ -441,13 +492,18 @@ class MpiCommunicator(Communicator):
     def _missing_ranks(self, call):
         w = _watch["watch"]
         if w is None:
-            return None, " (no watch channel: this communicator was not made through init)"
+            return (None if call.peer is None else [call.peer],
+                    " (no watch channel: this communicator was not made through init)")
         window = min(1.0, max(0.2, 0.25 * self.timeout)) if self.timeout else 1.0
         mine = self._state(call)
         w.serve(mine)  # this rank's own answer is the call it waits in
-        answers = w.survey(self.world_ranks, window)
-        arrived = [r for r, state in answers.items() if state == mine]
-        missing = [self.world_ranks.index(r) for r in self.world_ranks if r not in arrived]
+        if call.peer is not None:  # a send or receive waits for its peer only: ask it what it does
+            answers = w.survey([self.world_ranks[call.peer]], window)
+            missing = [call.peer]
+        else:
+            answers = w.survey(self.world_ranks, window)
+            arrived = [r for r, state in answers.items() if state == mine]
+            missing = [self.world_ranks.index(r) for r in self.world_ranks if r not in arrived]
         notes = []
         for rank in missing:
             world_rank = self.world_ranks[rank]

@@ -40,6 +40,7 @@ and frees the MPI ones.
 """
 import atexit
 import collections
+import contextlib
 import numbers
 import os
 import socket
@@ -215,6 +216,7 @@ class NcclCommunicator(Communicator):
         self.comm = None
         self._children = []  # the sub-communicators split from this one, released with it
         self._side_stream = None
+        self._batch_depth = 0  # open batch_isend_irecv groups: their sends and receives join them
         self._pending = collections.deque()  # (CUDA event, CallInfo, start time) the watchdog follows
         self._watchdog = None
         super().__init__(host.rank, host.size, host.local_rank, host.local_size,
@@ -321,7 +323,9 @@ class NcclCommunicator(Communicator):
                 break
 
     def _missing_ranks(self, call):
-        return self._mpi._missing_ranks(call) if watch() is not None else (None, "")
+        if watch() is not None:
+            return self._mpi._missing_ranks(call)
+        return ([call.peer], "") if call.peer is not None else (None, "")  # a message waits for its peer
 
     def _end_job(self, message):
         sys.stderr.write(message + "\n")
@@ -399,6 +403,53 @@ class NcclCommunicator(Communicator):
             nccl.groupEnd()  # an open group would swallow every later NCCL call of this thread
         self._follow()
         return out
+
+    # ---- point-to-point (comm/p2p.py) ---------------------------------------------------
+
+    def _grouped(self, enqueue):
+        """Runs ``enqueue`` (an ncclSend or ncclRecv) in an NCCL group of its own, unless a batch
+        (``_p2p_batch``) already holds one open."""
+        if self._batch_depth:
+            enqueue()
+            return
+        self._nccl_mod.groupStart()
+        try:
+            enqueue()
+        finally:
+            self._nccl_mod.groupEnd()  # an open group would swallow every later NCCL call of this thread
+
+    @contextlib.contextmanager
+    def _p2p_batch(self):
+        # One group: NCCL starts its sends and receives together, so two stages that send to each
+        # other in the same batch do not wait for each other's receive.
+        self._nccl_mod.groupStart()
+        self._batch_depth += 1
+        try:
+            yield
+        finally:
+            self._batch_depth -= 1
+            self._nccl_mod.groupEnd()
+
+    def _isend(self, buf, dest, tag, call, fingerprint):
+        if isinstance(buf, numpy.ndarray):
+            return self._inner()._isend(buf, dest, tag, call, fingerprint)
+        ptr = self._ptr(buf)
+        if self.debug:  # the fingerprint goes over MPI ahead of the data (NCCL has no tags)
+            self._inner()._send_fingerprint(fingerprint, dest, tag)
+        self._grouped(lambda: self.comm.send(ptr, buf.size, self._dtype(buf), dest, self._stream()))
+        self._follow()
+        return None  # the current stream orders the buffer's next writes after the send
+
+    def _irecv(self, buf, source, tag, call, fingerprint):
+        if isinstance(buf, numpy.ndarray):
+            return self._inner()._irecv(buf, source, tag, call, fingerprint)
+        ptr = self._ptr(buf)
+        if self.debug:  # before the receive is enqueued: NCCL would corrupt memory or hang on a mismatch
+            sent = self._inner()._recv_fingerprint(source, tag, call)
+            self._check_fingerprint(sent, fingerprint, call, source)
+        self._grouped(lambda: self.comm.recv(ptr, buf.size, self._dtype(buf), source, self._stream()))
+        self._follow()
+        return None  # kernels on the current stream read buf after the receive
 
     def _inner(self):
         """The inner mpi communicator, told which collective this is (for its messages)."""

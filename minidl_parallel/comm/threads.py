@@ -21,6 +21,7 @@ Example:
     >>> run_threads(2, lambda: get_communicator().allreduce(np.array([get_rank() + 1.0])))
     [array([3.]), array([3.])]
 """
+import collections
 import threading
 import time
 import warnings
@@ -48,11 +49,19 @@ class ThreadsWorld:
         self.finished = [False] * size
         self._lock = threading.Lock()
         self._groups = {}
+        self._mailboxes = {}
 
     def abort(self, why):
         with self._lock:
             if self.failed is None:
                 self.failed = why
+
+    def mailbox(self, key):
+        """The queue of messages for ``key`` (group, sender, receiver, tag), made on first use."""
+        with self._lock:
+            if key not in self._mailboxes:
+                self._mailboxes[key] = _Mailbox()
+            return self._mailboxes[key]
 
     def group(self, key, members):
         """The shared group for ``key``, created by whichever member asks first."""
@@ -60,6 +69,56 @@ class ThreadsWorld:
             if key not in self._groups:
                 self._groups[key] = _Group(self, members)
             return self._groups[key]
+
+
+class _Mailbox:
+    """The messages one rank sent another with one tag, oldest first (MPI's non-overtaking order)."""
+
+    def __init__(self):
+        self.messages = collections.deque()
+        self.cond = threading.Condition()
+
+    def put(self, message):
+        with self.cond:
+            self.messages.append(message)
+            self.cond.notify_all()
+
+    def take(self, comm, call, source):
+        """The oldest message, waiting for it; a sender that failed or returned, the world's
+        failure and the communicator's timeout end the wait, naming the sender."""
+        world, group = comm._world, comm._group
+        sender = group.members[source]
+        with self.cond:
+            start = time.monotonic()
+            warned = False
+            while not self.messages:
+                if world.failed is not None:
+                    raise CollectiveAborted(f"threads backend: rank {comm.world_rank}: {call} aborted because "
+                                            f"{world.failed}")
+                if world.finished[sender]:
+                    message = (f"threads backend: rank {comm.rank} of {comm.size}: {call} can never complete: rank "
+                               f"{source} returned without sending it")
+                    world.abort(message)
+                    raise CollectiveAborted(message)
+                waited = time.monotonic() - start
+                if comm.timeout and waited >= comm.timeout:
+                    message = _p2p_stall_message(comm, call, source, waited, "timed out after")
+                    world.abort(message)
+                    raise CollectiveTimeout(message + " (set MINIDL_COLLECTIVE_TIMEOUT or init(timeout=...) to "
+                                            "change the limit)")
+                if comm.stall_warning and not warned and waited >= comm.stall_warning:
+                    warned = True
+                    warnings.warn(_p2p_stall_message(comm, call, source, waited, "has waited"),
+                                  CollectiveStallWarning, stacklevel=4)
+                self.cond.wait(_POLL_S if not comm.timeout else min(_POLL_S, comm.timeout / 10))
+            return self.messages.popleft()
+
+
+def _p2p_stall_message(comm, call, source, waited, verb):
+    sender = comm._group.members[source]
+    world = "" if sender == source else f" (world rank {sender})"
+    return (f"threads backend: rank {comm.rank} of {comm.size}: {call} {verb} {waited:.1f} s; ranks that have not "
+            f"arrived: [{source}]{world} (the sender has not sent it)")
 
 
 class _Group:
@@ -188,6 +247,31 @@ class ThreadsCommunicator(Communicator):
 
     def _allgather_object(self, obj):
         return self._exchange(obj, "debug check")
+
+    def _mailbox(self, sender, receiver, tag):
+        return self._world.mailbox((id(self._group), sender, receiver, tag))
+
+    def _isend(self, buf, dest, tag, call, fingerprint):
+        # Buffered: the copy is the message, so the sender never waits (MPI allows a Send to
+        # complete before its receive starts).
+        self._mailbox(self.rank, dest, tag).put((buf.copy(), fingerprint))
+        return None
+
+    def _send_fingerprint(self, fingerprint, dest, tag):
+        """A fingerprint on its own (the nccl backend's debug check, whose host side this is in tests)."""
+        self._mailbox(self.rank, dest, ("fingerprint", tag)).put(fingerprint)
+
+    def _recv_fingerprint(self, source, tag, call):
+        return self._mailbox(source, self.rank, ("fingerprint", tag)).take(self, call, source)
+
+    def _irecv(self, buf, source, tag, call, fingerprint):
+        mailbox = self._mailbox(source, self.rank, tag)
+
+        def wait():
+            data, sent = mailbox.take(self, call, source)
+            self._check_fingerprint(sent, fingerprint, call, source)
+            buf[...] = data
+        return wait
 
     def _split(self, ranks):
         # Members meet on the same key: the ranks and how often this rank asked for them.

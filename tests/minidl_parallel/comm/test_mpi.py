@@ -31,7 +31,7 @@ def _mpi_missing():
     return None
 
 
-def mpirun(n, script, timeout=60, **env):
+def mpirun(n, script, timeout=60, args=(), **env):
     reason = _mpi_missing()
     if reason:
         pytest.skip(reason)
@@ -40,7 +40,7 @@ def mpirun(n, script, timeout=60, **env):
     full_env = {k: v for k, v in os.environ.items() if k not in ("MINIDL_DIST_DEBUG", "MINIDL_DEVICE")}
     full_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                     PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
-    cmd = [_mpirun_path(), "--oversubscribe", "-n", str(n), sys.executable, str(script)]
+    cmd = [_mpirun_path(), "--oversubscribe", "-n", str(n), sys.executable, str(script), *args]
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -370,7 +370,7 @@ def test_the_watch_answers_each_question_with_the_state_of_its_rank(world):
     from minidl_parallel.comm import mpi as backend
     side = backend.watch()
     assert side is not None and side.rank == 0 and side.state is None
-    state = ((0,), "allreduce", 3, (2,), "float32", "")
+    state = ((0,), "allreduce", 3, (2,), "float32", "", None, None)
     for survey_id, given in ((7, state), (8, None)):  # None: answers with the state it has
         beside = side.comm.isend("an answer to someone", dest=0, tag=backend._REPLY)  # not a question
         request = side.comm.isend(survey_id, dest=0, tag=backend._QUERY)  # this rank asks itself
@@ -435,7 +435,7 @@ def test_the_timeout_message_says_what_each_missing_rank_does(world, monkeypatch
         "3.0 s; ranks that have not arrived: [1, 2]; rank 1 is running outside any collective (busy or stalled; "
         f"its latest collective: allreduce #2, which began 1.5 s ago); rank 2 (world rank 5) did not answer within "
         f"{window:g} s ({_SILENT})")
-    mine = ((0, 1, 5, 3), "allreduce", 4, (2,), "float32", "")
+    mine = ((0, 1, 5, 3), "allreduce", 4, (2,), "float32", "", None, None)
     assert stand_in.served == [mine] and stand_in.asked == [((0, 1, 5, 3), window)]
 
 
@@ -473,7 +473,7 @@ def test_serving_the_peers_answers_with_the_call_this_rank_waits_in(world):
     from minidl_parallel.comm import mpi as backend
     from minidl_parallel.comm.base import CallInfo
     world._serve_peers(CallInfo("allgather", 9, (3, 2), "int64", "debug check"))
-    assert backend.watch().state == ((0,), "allgather", 9, (3, 2), "int64", "debug check")
+    assert backend.watch().state == ((0,), "allgather", 9, (3, 2), "int64", "debug check", None, None)
 
 
 def test_a_timeout_prints_the_message_and_aborts_the_mpi_job(world, monkeypatch, capfd):
@@ -514,9 +514,103 @@ def test_without_mpi4py_the_mpi_backend_says_what_to_install(monkeypatch):
     (("outside", None, None), "is running outside any collective (busy or stalled; its latest collective: none yet)"),
     (("outside", "barrier #4()", 12.34), "is running outside any collective (busy or stalled; its latest "
                                          "collective: barrier #4(), which began 12.3 s ago)"),
-    (((0, 2), "allreduce", 5, (3,), "float16", "debug check"),
+    (((0, 2), "allreduce", 5, (3,), "float16", "debug check", None, None),
      "waits in allreduce #5(shape=(3,), dtype=float16) (debug check) of the group of world ranks [0, 2]"),
+    (((0, 2), "send", 1, (4,), "float32", "", 0, 3),
+     "waits in send #1 to rank 0 (tag 3, shape=(4,), dtype=float32) of the group of world ranks [0, 2]"),
 ])
 def test_describe_state_says_what_a_peer_answered(state, want):
     from minidl_parallel.comm.mpi import describe_state
     assert describe_state(state) == want
+
+
+# ---- point-to-point messages ----------------------------------------------------------------
+
+def test_point_to_point_patterns_deliver_what_each_peer_sent_under_mpirun():
+    """A ring in one batch, both directions of a pair of 2 MiB at once, tags received out of order,
+    a 0-d and a strided message (tests/mpi/check_p2p.py checks the values each rank knows)."""
+    proc = mpirun(3, SCRIPTS / "check_p2p.py", 120, ["exchange"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _rank_lines(proc, 3) == [f"rank {r}: ok" for r in range(3)], proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("debug, problem", [
+    ("0", "rank 0 sent 48 bytes, this rank expects 72; set MINIDL_DIST_DEBUG=1 to compare the shapes and dtypes "
+          "sent"),
+    ("1", "rank 0's send #0 (shape=(2, 3), dtype=float64) does not match what this rank expects: message #0 of "
+          "shape=(3, 3), dtype=float64 (the two ranks' sends and receives differ in order or in their arrays)"),
+])
+def test_a_receive_of_another_size_raises_naming_the_message_under_mpirun(debug, problem):
+    proc = mpirun(2, SCRIPTS / "check_p2p.py", 120, ["mismatch"], MINIDL_DIST_DEBUG=debug)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _rank_lines(proc, 2) == [
+        "rank 0: sent", "rank 1: raised: minidl_parallel: rank 1 of 2 (mpi backend): recv #0 from rank 0 (tag 0, "
+        f"shape=(3, 3), dtype=float64): {problem}"], proc.stdout + proc.stderr
+
+
+def test_a_receive_whose_sender_never_sends_ends_the_job_naming_the_sender_under_mpirun():
+    start = time.monotonic()
+    proc = mpirun(2, SCRIPTS / "check_p2p.py", 60, ["silent"], MINIDL_COLLECTIVE_TIMEOUT="2")
+    assert proc.returncode != 0 and time.monotonic() - start < 40, proc.stdout + proc.stderr
+    assert ("minidl_parallel: rank 1 of 2 (mpi backend): recv #0 from rank 0 (tag 7, shape=(4,), dtype=float64) "
+            "timed out after 2.0 s; ranks that have not arrived: [0]; rank 0 is running outside any collective "
+            "(busy or stalled; its latest collective: barrier #0(), which began ") in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["blocking", "watched", "polled"])
+@pytest.mark.parametrize("debug", [0, 1])
+def test_a_world_of_one_sends_itself_messages_in_order_per_tag(world, monkeypatch, mode, debug):
+    _set_mode(world, monkeypatch, mode)
+    world.debug = debug
+    first, second = np.arange(6.0).reshape(2, 3), np.arange(4, dtype=np.int32)
+    sent = [world.isend(first, 0, tag=1), world.isend(second, 0, tag=1), world.isend(np.float16([3, 4]), 0)]
+    half = world.recv(np.empty(2, np.float16), 0)  # tag 0 first, though sent last
+    a, b = world.irecv(np.empty((2, 3)), 0, tag=1), world.irecv(np.empty(4, np.int32), 0, tag=1)
+    np.testing.assert_array_equal(a.wait(), first)
+    np.testing.assert_array_equal(b.wait(), second)
+    np.testing.assert_array_equal(half, [3, 4])
+    for request in sent:
+        request.wait()
+    assert (world.sent_messages, world.sent_bytes, world.received_messages, world.received_bytes) == \
+        (3, 48 + 16 + 4, 3, 48 + 16 + 4)
+
+
+@pytest.mark.parametrize("debug, sent, into, problem", [
+    (0, np.ones(2), np.empty(3), "rank 0 sent 16 bytes, this rank expects 24; set MINIDL_DIST_DEBUG=1 to compare "
+                                 "the shapes and dtypes sent"),
+    (0, np.ones(3), np.empty(2), "MPI could not receive rank 0's message into 16 bytes ("),
+    (1, np.ones(2), np.empty(2, np.int64), "rank 0's send #0 (shape=(2,), dtype=float64) does not match what this "
+                                           "rank expects: message #0 of shape=(2,), dtype=int64"),
+])
+def test_a_world_of_one_names_a_message_that_does_not_fit(world, monkeypatch, debug, sent, into, problem):
+    _set_mode(world, monkeypatch, "watched")
+    world.debug = debug
+    world.send(sent, 0)
+    with pytest.raises(RuntimeError) as info:
+        world.recv(into, 0)
+    assert str(info.value).startswith(f"minidl_parallel: rank 0 of 1 (mpi backend): recv #0 from rank 0 (tag 0, "
+                                      f"shape={into.shape}, dtype={into.dtype}): {problem}"), str(info.value)
+
+
+def test_device_messages_are_staged_through_the_host(world, monkeypatch, on_the_double):
+    _set_mode(world, monkeypatch, "watched")
+    x = on_the_double.asarray(np.arange(6, dtype=np.float32).reshape(2, 3))
+    world.send(x, 0, tag=2)
+    into = on_the_double.empty((2, 3), dtype=np.float32)
+    assert world.recv(into, 0, tag=2) is into
+    np.testing.assert_array_equal(into.get(), x.get())
+
+
+def test_a_stalled_message_names_its_peer_and_what_the_peer_does(world, monkeypatch):
+    from minidl_parallel.comm import mpi as backend
+    from minidl_parallel.comm.base import CallInfo
+    monkeypatch.setattr(world, "world_ranks", (0, 4, 2))
+    world.timeout = 2.0
+    stand_in = _SurveyStandIn(lambda mine: {0: mine, 4: ((0, 4, 2), "recv", 0, (4,), "float32", "", 2, 0)})
+    monkeypatch.setitem(backend._watch, "watch", stand_in)
+    call = CallInfo("send", 0, (4,), "float32", peer=1, tag=0)
+    assert world._stall_message(call, 3.0, "has waited") == (
+        "minidl_parallel: rank 0 of 1 (mpi backend): send #0 to rank 1 (tag 0, shape=(4,), dtype=float32) has "
+        "waited 3.0 s; ranks that have not arrived: [1]; rank 1 (world rank 4) waits in recv #0 from rank 2 (tag 0, "
+        "shape=(4,), dtype=float32) of the group of world ranks [0, 4, 2]")
+    assert stand_in.asked == [((4,), 0.5)]  # only the peer is asked

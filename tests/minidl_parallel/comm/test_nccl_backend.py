@@ -20,10 +20,12 @@ The inner MPI communicator is replaced by the rank's threads communicator, so ho
 arrays travel there. What this cannot show: kernels, streams and their ordering, real device
 memory, NCCL itself; that needs a GPU (``python -m minidl.gpu_check``).
 """
+import collections
 import os
 import re
 import sys
 import threading
+import time
 import types
 
 import numpy as np
@@ -34,6 +36,7 @@ from minidl.optim import SGD
 from minidl_parallel import get_communicator, run_threads
 from minidl_parallel import broadcast as broadcast_module
 from minidl_parallel.comm import nccl as nccl_backend
+from minidl_parallel.comm.p2p import P2POp
 from minidl_parallel.comm.threads import ThreadsCommunicator
 from minidl_parallel.grad_reducer import DistributedGradReducer
 
@@ -275,6 +278,20 @@ class _Clique:
         self.joined = [None] * ndev
         self.barrier = threading.Barrier(ndev, timeout=_RENDEZVOUS_S)
         self.lock = threading.Lock()
+        self.in_flight = collections.defaultdict(collections.deque)  # (sender, receiver) -> sent, in order
+        self.posted = threading.Condition()
+
+    def post(self, sender, receiver, data):
+        with self.posted:
+            self.in_flight[(sender, receiver)].append(data)
+            self.posted.notify_all()
+
+    def take(self, sender, receiver):
+        """The oldest message of sender to receiver (NCCL orders a pair's messages), waiting for it."""
+        with self.posted:
+            if not self.posted.wait_for(lambda: self.in_flight[(sender, receiver)], _RENDEZVOUS_S):
+                raise NcclError(f"fake NCCL: rank {receiver} waited {_RENDEZVOUS_S} s for a message of rank {sender}")
+            return self.in_flight[(sender, receiver)].popleft()
 
     def exchange(self, rank, value):
         self.slots[rank] = value
@@ -292,6 +309,7 @@ def _fake_nccl():
     nccl.NCCL_SUM, nccl.NCCL_PROD, nccl.NCCL_MAX, nccl.NCCL_MIN = 0, 1, 2, 3
     cliques, made = {}, []
     group = threading.local()
+    groups = []  # each group of sends and receives ended: [(rank, "send" or "recv", peer), ...]
 
     def get_unique_id():
         return tuple(b - 256 if b > 127 else b for b in os.urandom(128))  # 128 C chars, as CuPy's
@@ -306,6 +324,7 @@ def _fake_nccl():
         group.depth -= 1
         if group.depth == 0:
             queued, group.queued = group.queued, []
+            groups.append([(comm.rank, kind, peer) for comm, (kind, _, peer) in queued])
             by_comm = {}
             for comm, op in queued:
                 by_comm.setdefault(id(comm), (comm, []))[1].append(op)
@@ -403,14 +422,16 @@ def _fake_nccl():
             group.queued.append((self, op))
 
         def _point_to_point(self, ops):
-            sent = {peer: view.copy() for kind, view, peer in ops if kind == "send"}
-            everyone = self.clique.exchange(self.rank, sent)
+            # A group's sends all start before its receives wait: only the pairs involved meet.
+            for kind, view, peer in ops:
+                if kind == "send":
+                    self.clique.post(self.rank, peer, view.copy())
             for kind, view, peer in ops:
                 if kind == "recv":
-                    data = everyone[peer].get(self.rank)
-                    if data is None or data.shape != view.shape or data.dtype != view.dtype:
-                        raise NcclError(f"fake NCCL: rank {self.rank} receives {view.shape} from {peer}, "
-                                        f"which sent {None if data is None else data.shape}")
+                    data = self.clique.take(peer, self.rank)
+                    if data.shape != view.shape or data.dtype != view.dtype:
+                        raise NcclError(f"fake NCCL: rank {self.rank} receives {view.shape} {view.dtype} from {peer}, "
+                                        f"which sent {data.shape} {data.dtype}")
                     view[...] = data
 
         def check_async_error(self):
@@ -427,7 +448,7 @@ def _fake_nccl():
 
     nccl.get_unique_id, nccl.groupStart, nccl.groupEnd = get_unique_id, groupStart, groupEnd
     nccl.NcclCommunicator = NcclCommunicator
-    nccl.made = made
+    nccl.made, nccl.groups = made, groups
     return nccl
 
 
@@ -1142,3 +1163,92 @@ def test_without_cupy_the_nccl_backend_says_what_to_install(monkeypatch):
         nccl_backend.import_nccl()
     assert str(missing.value).startswith("the nccl backend needs CuPy with NCCL: pip install 'minidl[gpu]' "
                                          "(cupy-cuda12x + nvidia-nccl-cu12) (")
+
+
+# ---- point-to-point messages ----------------------------------------------------------------
+
+def test_device_messages_go_through_nccl_send_and_recv_in_groups_and_host_ones_over_mpi(fakes):
+    """Four ranks as a pipeline: each passes an activation forward and a gradient back in one
+    batch (one NCCL group, so neighbours sending to each other at once cannot deadlock)."""
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=30, stall_warning=0)
+        try:
+            nxt, prev = rank + 1, rank - 1
+            ops = []
+            activation, gradient = _dev(np.zeros((2, 3))), _dev(np.zeros(4, np.float32))
+            if nxt < 4:
+                ops += [P2POp("send", _dev(np.full((2, 3), rank + 0.5)), nxt),
+                        P2POp("recv", gradient, nxt)]
+            if prev >= 0:
+                ops += [P2POp("recv", activation, prev),
+                        P2POp("send", _dev(np.full(4, 10.0 * rank, np.float32)), prev)]
+            for request in comm.batch_isend_irecv(ops):
+                request.wait()
+            # blocking forms, one group each; a host array goes over the inner communicator
+            step = np.array([rank], np.int64)
+            if rank == 0:
+                comm.send(_dev(np.arange(3.0)), 3, tag=4)
+                comm.send(step, 3)
+            elif rank == 3:
+                comm.recv(step, 0)
+                got = comm.recv(_dev(np.empty(3)), 0, tag=4).get()
+                assert np.array_equal(got, np.arange(3.0)), got
+            return (activation.get(), gradient.get(), step.copy(), [c for c in comm.comm.calls if c in ("send", "recv")],
+                    comm.sent_messages, comm.received_messages)
+        finally:
+            comm.release()
+
+    results = _run(4, body)
+    for rank, (activation, gradient, step, calls, sent, received) in enumerate(results):
+        np.testing.assert_array_equal(activation, np.full((2, 3), rank - 0.5) if rank else np.zeros((2, 3)))
+        np.testing.assert_array_equal(gradient, np.full(4, 10.0 * (rank + 1)) if rank < 3 else np.zeros(4))
+        np.testing.assert_array_equal(step, [0 if rank == 3 else rank])  # rank 3 received rank 0's host step
+        neighbours = (rank > 0) + (rank < 3)
+        device_sends = neighbours + (rank == 0)
+        device_recvs = neighbours + (rank == 3)
+        assert sorted(calls) == sorted(["send"] * device_sends + ["recv"] * device_recvs)  # host step: not NCCL
+        assert (sent, received) == (neighbours + 2 * (rank == 0), neighbours + 2 * (rank == 3))
+    by_rank = {}
+    for g in fakes.nccl.groups:
+        by_rank.setdefault(g[0][0], []).append([op[1:] for op in g])
+    assert by_rank[1][0] == [("send", 2), ("recv", 2), ("recv", 0), ("send", 0)]  # the batch: one group
+    assert by_rank[0][1:] == [[("send", 3)]]  # a blocking device send: a group of its own
+    assert by_rank[3][1:] == [[("recv", 0)]]
+
+
+def test_debug_mode_refuses_a_device_message_of_another_shape_before_nccl_receives_it(fakes):
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=30, stall_warning=0, debug=1)
+        try:
+            if rank == 0:
+                comm.send(_dev(np.ones((2, 2), np.float32)), 1, tag=2)
+                return None
+            return _outcome(lambda: comm.recv(_dev(np.empty(4, np.float32)), 0, tag=2)), comm.comm.calls
+        finally:
+            comm.release()
+
+    (kind, message), calls = _run(2, body)[1]
+    assert (kind, message) == ("RuntimeError", "minidl_parallel: rank 1 of 2 (nccl backend): recv #0 from rank 0 (tag 2, "
+                               "shape=(4,), dtype=float32): rank 0's send #0 (shape=(2, 2), dtype=float32) does not "
+                               "match what this rank expects: message #0 of shape=(4,), dtype=float32 (the two ranks' "
+                               "sends and receives differ in order or in their arrays)")
+    assert "recv" not in calls  # NCCL was never asked: it would have read 16 bytes into another layout
+
+
+def test_a_message_whose_gpu_work_never_ends_times_out_naming_its_peer(fakes, capfd):
+    def body(rank):
+        comm = nccl_backend.NcclCommunicator(timeout=0.2, stall_warning=0)
+        fakes.gpus.idle = False
+        try:
+            comm.send(_dev(np.ones(2)), 0)  # a world of one sends itself: its receive never comes
+            time.sleep(1.0)  # the watchdog sees the send's event never complete
+            return comm.comm.aborted
+        finally:
+            fakes.gpus.idle = True
+            comm.release()
+
+    assert _run(1, body) == [True]
+    err = capfd.readouterr().err
+    assert re.search(r"minidl_parallel: rank 0 of 1 \(nccl backend\): send #0 to rank 0 \(tag 0, shape=\(2,\), "
+                     r"dtype=float64\) timed out after 0\.\d s; ranks that have not arrived: \[0\]; aborting NCCL and "
+                     r"the MPI job \(timeout 0\.2 s\)", err), err

@@ -11,7 +11,7 @@ import sys
 
 from minidl.runtime import get_runtime
 
-from . import optimizer_parallel_config
+from . import optimizer_parallel_config, pipeline_config
 
 __all__ = ["get_rank", "get_group_size", "get_local_rank", "get_local_rank_size",
            "get_communicator", "is_initialized", "launched_under_mpi", "ParallelMode", "set_auto_parallel_context",
@@ -35,10 +35,15 @@ _DEFAULTS = {"parallel_mode": ParallelMode.STAND_ALONE, "gradients_mean": False,
              "device_num": None, "global_rank": None, "dataset_strategy": "data_parallel",
              "search_mode": "sharding_propagation", "grad_accumulation_step": 1, "gradient_compression": None,
              "gradient_predivide_factor": 1.0, "strategy_ckpt_config": STRATEGY_CKPT_DEFAULTS,
-             "enable_parallel_optimizer": False, "parallel_optimizer_config": optimizer_parallel_config.DEFAULTS}
+             "enable_parallel_optimizer": False, "parallel_optimizer_config": optimizer_parallel_config.DEFAULTS,
+             "pipeline_stages": 1, "pipeline_config": pipeline_config.DEFAULTS}
 # MindSpore's older keys: each reads and writes one entry of strategy_ckpt_config, as in MindSpore,
 # where both spellings set the same value.
 _STRATEGY_CKPT_ALIASES = {"strategy_ckpt_load_file": "load_file", "strategy_ckpt_save_file": "save_file"}
+# MindSpore reads the entries of pipeline_config under their own names and sets them only through
+# pipeline_config (get_auto_parallel_context("pipeline_scheduler"); there is no get of
+# "pipeline_config" in MindSpore, which minidl adds).
+_PIPELINE_CONFIG_READ_KEYS = tuple(pipeline_config.DEFAULTS)
 DATASET_STRATEGIES = ("data_parallel", "full_batch")
 SEARCH_MODES = ("sharding_propagation",)
 
@@ -79,6 +84,8 @@ def _check_setting(key, value):
     elif key == "global_rank":
         if value is not None and (not _is_int(value) or value < 0):
             raise ValueError(f"set_auto_parallel_context: global_rank must be None or an int >= 0, got {value!r}")
+    elif key == "pipeline_stages":
+        pipeline_config.check_stages(value)
 
 
 def _check_path(value, who):
@@ -115,6 +122,11 @@ def _strategy_ckpt_update(key, value):
 
 
 def _check_key(key, who):
+    if key in _PIPELINE_CONFIG_READ_KEYS:
+        if who == "get_auto_parallel_context":
+            return
+        raise ValueError(f"{who}: {key!r} is set through pipeline_config (as in MindSpore), e.g. "
+                         f"pipeline_config={pipeline_config.DEFAULTS}")
     if key not in _DEFAULTS and key not in _STRATEGY_CKPT_ALIASES:
         valid = tuple(_DEFAULTS) + tuple(_STRATEGY_CKPT_ALIASES)
         raise ValueError(f"{who}: unknown key {key!r}; valid keys are {valid}")
@@ -188,7 +200,8 @@ def set_auto_parallel_context(**kwargs):
     """Sets parallel_mode, gradients_mean, parameter_broadcast, device_num, global_rank,
     dataset_strategy, search_mode, grad_accumulation_step, gradient_compression,
     gradient_predivide_factor, strategy_ckpt_config (strategy_ckpt_save_file,
-    strategy_ckpt_load_file), enable_parallel_optimizer and/or parallel_optimizer_config.
+    strategy_ckpt_load_file), enable_parallel_optimizer, parallel_optimizer_config,
+    pipeline_stages and/or pipeline_config.
 
     The last three configure DATA_PARALLEL's gradient reducer (Model.train's): reduce once per
     ``grad_accumulation_step`` steps (MindSpore's name; the steps in between only accumulate,
@@ -219,6 +232,12 @@ SEMI_AUTO_PARALLEL and AUTO_PARALLEL turn on operator-level tensor parallelism (
     without ``shard()`` take the file's strategy, and a parameter whose layout then differs from
     the file's raises (minidl_parallel/tensor_parallel/strategy_file.py).
 
+    ``pipeline_stages`` (an int >= 1, default 1) cuts the world into that many pipeline stages, and
+    ``pipeline_config`` (MindSpore's dict: "pipeline_scheduler", "1f1b" (the default) or "gpipe", and
+    "pipeline_interleave", which must be False: minidl runs one stage per rank) chooses the schedule
+    (minidl_parallel/pipeline_config.py). More than one stage needs SEMI_AUTO_PARALLEL or
+    AUTO_PARALLEL, and a world size that pipeline_stages divides, checked when the pipeline runs.
+
     Settings are read when they are used (each op call, each ``Model.train``), so they may be
     set before or after ``init()`` and after a Model was built. Datasets are never sharded
     implicitly.
@@ -236,6 +255,8 @@ SEMI_AUTO_PARALLEL and AUTO_PARALLEL turn on operator-level tensor parallelism (
         elif key == "parallel_optimizer_config":  # only the entries given change
             settings[key] = optimizer_parallel_config.updated(
                 settings.get(key, current_world().settings[key]), value)
+        elif key == "pipeline_config":
+            settings[key] = pipeline_config.checked(value)
         else:
             _check_setting(key, value)
             settings[key] = value
@@ -247,8 +268,10 @@ def get_auto_parallel_context(key):
     _check_key(key, "get_auto_parallel_context")
     if key in _STRATEGY_CKPT_ALIASES:
         return current_world().settings["strategy_ckpt_config"][_STRATEGY_CKPT_ALIASES[key]]
+    if key in _PIPELINE_CONFIG_READ_KEYS:
+        return current_world().settings["pipeline_config"][key]
     value = current_world().settings[key]
-    if key in ("strategy_ckpt_config", "parallel_optimizer_config"):
+    if key in ("strategy_ckpt_config", "parallel_optimizer_config", "pipeline_config"):
         return dict(value)  # a copy: changing it must not change the setting
     if value is None and key == "device_num":
         return get_group_size()
@@ -266,6 +289,30 @@ def data_parallel_active():
     """True when this rank runs DATA_PARALLEL after init()."""
     world = current_world()
     return world.comm is not None and world.settings["parallel_mode"] == ParallelMode.DATA_PARALLEL
+
+
+def pipeline_settings():
+    """(stages, scheduler) of this rank's pipeline, from ``pipeline_stages`` and ``pipeline_config``.
+
+    For the pipeline's executor, at use: raises RuntimeError when pipeline_stages > 1 and the
+    parallel mode is not SEMI_AUTO_PARALLEL or AUTO_PARALLEL, the modes of MindSpore's pipeline (the
+    setting itself never raises for it: the mode may be set after it). One stage is no pipeline and
+    fits any mode. Before init() it reads the process's settings, as every getter here does.
+    """
+    settings = current_world().settings
+    return pipeline_config.resolved(settings["parallel_mode"], settings["pipeline_stages"],
+                                    settings["pipeline_config"])
+
+
+def stage_layout(world_size, rank, stages=None):
+    """(stage, stage_ranks, pipeline_ranks) of ``rank`` in a world of ``world_size`` ranks cut into
+    ``stages`` pipeline stages (None: the ``pipeline_stages`` setting), in MindSpore's rank order:
+    stage s holds the contiguous ranks [s*k, (s+1)*k) with k = world_size // stages. Raises
+    ValueError when stages does not divide world_size. See pipeline_config.layout.
+    """
+    if stages is None:
+        stages = current_world().settings["pipeline_stages"]
+    return pipeline_config.layout(world_size, rank, stages)
 
 
 def tensor_parallel_active():

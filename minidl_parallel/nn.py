@@ -1,4 +1,5 @@
 """Parallel layers under MindSpore's names, for ``from minidl_parallel import nn``."""
 from .sync_batchnorm import SyncBatchNorm  # noqa: F401
+from .pipeline import PipelineCell, PipelineGradReducer  # noqa: F401
 
-__all__ = ["SyncBatchNorm"]
+__all__ = ["SyncBatchNorm", "PipelineCell", "PipelineGradReducer"]

@@ -69,8 +69,11 @@ class ParallelRuntime(Runtime):
         return self._tensor_parallel()
 
     def _tensor_parallel(self):
-        return self.world.settings["parallel_mode"] in (context.ParallelMode.SEMI_AUTO_PARALLEL,
-                                                        context.ParallelMode.AUTO_PARALLEL)
+        settings = self.world.settings
+        # A pipeline places its own work, stage by stage (minidl_parallel/pipeline): the dispatcher,
+        # whose world is every rank, stays out of it (tensor parallelism inside a stage is not built yet).
+        return (settings["parallel_mode"] in (context.ParallelMode.SEMI_AUTO_PARALLEL, context.ParallelMode.AUTO_PARALLEL)
+                and settings["pipeline_stages"] == 1)
 
     def rank(self):
         return self.world.comm.rank

@@ -286,6 +286,36 @@ class Cell:
         set_recompute(self, use_reentrant=use_reentrant, output_recompute=output_recompute,
                       early_stop=early_stop, context_fn=context_fn, **kwargs)
 
+    # -- pipeline stage -----------------------------------------------------------------
+
+    _pipeline_stage = None  # the class default: no stage (set on an instance through the property)
+
+    @property
+    def pipeline_stage(self):
+        """The pipeline stage this cell runs on (MindSpore's attribute): an int >= 0, or None (no stage).
+
+        minidl only stores it; minidl_parallel's pipeline reads it when it runs
+        (``set_auto_parallel_context(pipeline_stages=N)``): a cell of stage k runs whole on the ranks
+        of stage k, with the cells inside it. Unlike MindSpore, where reading it before it was set
+        raises AttributeError and None is refused, it starts as None and None may be set again.
+
+        Example:
+            >>> net.fc1.pipeline_stage, net.fc2.pipeline_stage = 0, 1
+        """
+        return self._pipeline_stage
+
+    @pipeline_stage.setter
+    def pipeline_stage(self, value):
+        # bool is an int subclass: pipeline_stage = True is a bug, not stage 1 (MindSpore refuses it too).
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{type(self).__name__}: pipeline_stage must be an int >= 0 (or None for no "
+                                f"stage), got {type(value).__name__} {value!r}")
+            if value < 0:
+                raise ValueError(f"{type(self).__name__}: pipeline_stage must be an int >= 0 (or None for no "
+                                 f"stage), got {value}")
+        self.__dict__["_pipeline_stage"] = value  # (not self._pipeline_stage = ...: that is __setattr__ again)
+
     # PyTorch spellings.
     def parameters(self, recurse=True):
         return self.get_parameters(expand=recurse)

@@ -2,7 +2,15 @@
 
 - schedules.py: the schedules (GPipe, 1F1B) as plain data: each stage's ordered actions, the
   messages they imply, a unit-slot timeline, the bubble and the activations held.
+- stages.py: which cells and parameters belong to which stage (``Cell.pipeline_stage``).
+- stage_forward.py: one stage's forward of one micro-batch (the other stages' cells stood in for).
+- executor.py: one step of a schedule on one rank, with the messages between stages.
+- cell.py, grad_reducer.py: MindSpore's ``nn.PipelineCell`` and ``nn.PipelineGradReducer``.
 """
 from .schedules import Action, Message, Schedule, pipeline_schedule, SCHEDULERS
+from .stage_forward import PipelineError
+from .cell import PipelineCell
+from .grad_reducer import PipelineGradReducer
 
-__all__ = ["Action", "Message", "Schedule", "pipeline_schedule", "SCHEDULERS"]
+__all__ = ["Action", "Message", "Schedule", "pipeline_schedule", "SCHEDULERS", "PipelineError", "PipelineCell",
+           "PipelineGradReducer"]

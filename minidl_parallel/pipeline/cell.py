@@ -1,0 +1,140 @@
+"""``nn.PipelineCell``: MindSpore's wrapper that cuts each batch into micro-batches and runs them
+through the stages of a pipeline.
+
+The network (usually ``nn.WithLossCell(backbone, loss_fn)``) has ``pipeline_stage`` set on its
+cells; ``set_auto_parallel_context(pipeline_stages=p, pipeline_config=...)`` says how many stages
+and which schedule. A call runs one whole step of the schedule on this rank's stage (forwards and
+backwards of every micro-batch, and the messages between stages) and returns the sum of the
+micro-batch losses, as MindSpore's PipelineCell does, on every rank of the pipeline (the last stage
+computes it and sends it to the others). The gradients of the stage's parameters are computed
+then; differentiating the returned loss (``value_and_grad``, ``TrainOneStepCell``, ``Model``)
+hands them over, times the loss's incoming gradient (a loss scale). Parameters of other stages
+get no gradient on this rank.
+
+With ``pipeline_stages`` 1 the micro-batches run one after the other on this rank: the same sum,
+by plain gradient accumulation.
+"""
+from minidl.nn import Cell
+from minidl.ops.primitive import Primitive
+
+from .. import context
+from .executor import run_step
+from .schedules import pipeline_schedule
+from .stages import StagePlan
+
+__all__ = ["PipelineCell"]
+
+
+class _StepGradients(Primitive):
+    """The loss of a pipeline step, as a node whose backward hands each of the stage's parameters the
+    gradient the step already computed (times the loss's incoming gradient)."""
+
+    n_inputs = None  # one per parameter of the stage
+
+    def __init__(self, loss, gradients):
+        super().__init__()
+        self.loss, self.gradients = loss, gradients
+
+    def forward(self, *weights):
+        return self.loss
+
+    def backward(self, gy):
+        if bool((gy == 1).all()):  # the usual case: the sums as they are, bit for bit
+            return tuple(self.gradients)
+        return tuple(None if g is None else g * gy.astype(g.dtype) for g in self.gradients)
+
+
+class PipelineCell(Cell):
+    """Cuts each batch into ``micro_size`` micro-batches and runs them through the pipeline's stages.
+
+    Args:
+        network: the Cell to run, its cells' ``pipeline_stage`` set; it returns the loss.
+        micro_size: micro-batches per step (an int >= pipeline_stages; the batch's first axis is cut
+            into that many equal parts).
+        stage_config: optional ``{cell path: stage}`` that sets ``pipeline_stage`` on those cells
+            (MindSpore's argument); a path the network lacks raises KeyError naming it.
+
+    Attributes:
+        last_step: the messages of the latest step on this rank (``MessageRecord`` list), or None.
+    """
+
+    def __init__(self, network, micro_size, stage_config=None):
+        super().__init__(auto_prefix=False)
+        if not isinstance(network, Cell):
+            raise TypeError(f"PipelineCell: network must be a Cell, got {type(network).__name__}")
+        if isinstance(micro_size, bool) or not isinstance(micro_size, int):
+            raise TypeError(f"PipelineCell: micro_size must be an int, got {type(micro_size).__name__}: {micro_size!r}")
+        if micro_size < 1:
+            raise ValueError(f"PipelineCell: micro_size must be an int >= 1, got {micro_size}")
+        self.network = network
+        self.micro_size = micro_size
+        self.last_step = None
+        self._groups = {}  # (world communicator, its pipeline ranks) -> the pipeline group, split once
+        if stage_config is not None:
+            self._set_stages(stage_config)
+
+    def _set_stages(self, stage_config):
+        cells = dict(self.network.cells_and_names())
+        missing = [name for name in stage_config if name not in cells]
+        if missing:
+            raise KeyError(f"PipelineCell: stage_config names {missing}, which the network does not have; its cells "
+                           f"are {[name for name in cells if name]}")
+        for name, stage in stage_config.items():
+            cells[name].pipeline_stage = stage
+
+    def schedule(self):
+        """The schedule one step runs (``print`` it to see the bubble), from the current settings."""
+        stages, scheduler = self._settings()
+        return pipeline_schedule(stages, self.micro_size, scheduler)
+
+    def _settings(self):
+        return context.pipeline_settings()  # (raises naming the mode when it cannot run a pipeline)
+
+    def construct(self, *inputs):
+        stages, scheduler = self._settings()
+        if stages == 1:
+            return self._accumulate(inputs)
+        world = context.get_communicator()
+        stage, stage_ranks, pipeline_ranks = context.stage_layout(world.size, world.rank, stages)
+        if len(stage_ranks) > 1:
+            raise NotImplementedError(f"PipelineCell: {world.size} ranks for {stages} stages put {len(stage_ranks)} "
+                                      f"ranks on each stage (data or tensor parallelism inside a stage), which this "
+                                      f"version does not run yet; use {stages} ranks")
+        comm = self._group(world, pipeline_ranks)
+        plan = StagePlan(self.network, stages)
+        schedule = pipeline_schedule(stages, self.micro_size, scheduler)
+        loss, sums, self.last_step = run_step(self.network, plan, schedule, comm, stage, inputs)
+        loss = _from_last_stage(comm, loss, stages - 1)
+        params = plan.parameters[stage]
+        return _StepGradients(loss, [sums.get(id(p)) for p in params]).apply(*params)
+
+    def _accumulate(self, inputs):
+        from .executor import split_micro_batches
+        total = None
+        for micro in split_micro_batches(inputs, self.micro_size):
+            loss = self.network(*micro)
+            total = loss if total is None else total + loss
+        return total
+
+    def _group(self, world, pipeline_ranks):
+        if list(pipeline_ranks) == list(range(world.size)):
+            return world
+        key = (id(world), tuple(pipeline_ranks))
+        if key not in self._groups:
+            self._groups[key] = world.split(list(pipeline_ranks))
+        return self._groups[key]
+
+
+def _from_last_stage(comm, loss, last):
+    """The last stage's loss on every stage of the pipeline (one broadcast of its value and dtype)."""
+    import numpy
+    carrier = numpy.zeros(2)
+    if loss is not None:
+        carrier[0], carrier[1] = float(loss), _LOSS_DTYPES.index(str(loss.dtype))
+    carrier = comm.broadcast(carrier, root=last)
+    if loss is not None:
+        return loss
+    return numpy.asarray(carrier[0], dtype=_LOSS_DTYPES[int(carrier[1])])
+
+
+_LOSS_DTYPES = ("float32", "float64", "float16")

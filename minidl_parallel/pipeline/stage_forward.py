@@ -1,0 +1,192 @@
+"""One stage's forward of one micro-batch: the whole construct runs on every rank, and the cells of
+other stages are stood in for.
+
+Every rank of a pipeline runs the network's Python code for each forward action, in the same order,
+so every rank meets the same cells. This layer (a :class:`minidl.runtime.Layered` runtime installed
+on the thread for the action) decides at each cell with a ``pipeline_stage`` (a *staged* cell):
+
+- its stage is this rank's: its inputs that are :class:`Remote` (outputs of the previous stage) are
+  received from that stage, as leaves that require a gradient, and the cell runs;
+- another stage's: this rank's tensors it takes are sent to that stage (the next one), and it gives
+  back a :class:`Remote` standing for its output, without running.
+
+Code between staged cells (the construct's own ops, a loss cell without parameters) runs where its
+inputs live: on this rank when they are its own tensors or local constants, and as a Remote of the
+same stage when one of them is a Remote. A tensor built from the data alone (positions, masks) is a
+constant every rank makes. So activations cross exactly at stage boundaries, once per micro-batch
+each, and in the order every rank computes.
+
+Limits, each raised naming the cell: a staged cell of stage j takes another stage's output only from
+stage j - 1 (stages follow the order of the forward); one tensor crosses each boundary per
+micro-batch; a parameter is read only inside a staged cell. Reading a Remote's shape or value in the
+construct raises naming the cell that made it: such code belongs inside a cell of a stage.
+"""
+from minidl import Parameter, Tensor
+from minidl.runtime import Layered
+
+__all__ = ["Remote", "StageForward", "PipelineError"]
+
+
+class PipelineError(RuntimeError):
+    """A network whose stages cannot run as a pipeline (what and where, in the message)."""
+
+
+class Remote:
+    """The output of a cell of another stage (or code on it): it lives on that stage's ranks."""
+
+    __slots__ = ("stage", "made_by")
+
+    def __init__(self, stage, made_by):
+        self.stage, self.made_by = stage, made_by
+
+    def __getattr__(self, name):
+        raise PipelineError(f"the construct reads {name!r} of the output of {self.made_by}, which lives on pipeline "
+                            f"stage {self.stage} (another rank): move this code into a cell of that stage")
+
+    def __getitem__(self, key):  # (an attention's (output, weights)[0]: still the other stage's)
+        return self
+
+    def __bool__(self):
+        raise PipelineError(f"the construct tests the output of {self.made_by}, which lives on pipeline stage "
+                            f"{self.stage} (another rank): move this code into a cell of that stage")
+
+    def __repr__(self):
+        return f"Remote(stage={self.stage}, made_by={self.made_by})"
+
+
+def _flatten(value):
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _flatten(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _flatten(v)
+    else:
+        yield value
+
+
+def _replace(value, mapping):
+    if isinstance(value, (tuple, list)):
+        return type(value)(_replace(v, mapping) for v in value)
+    if isinstance(value, dict):
+        return {k: _replace(v, mapping) for k, v in value.items()}
+    return mapping.get(id(value), value)
+
+
+class StageForward(Layered):
+    """The layer for one forward action ``F(stage, micro)``; see the module docstring.
+
+    Args:
+        inner: the runtime the stage's own cells and ops run on.
+        plan: the network's :class:`~minidl_parallel.pipeline.stages.StagePlan`.
+        stage: this rank's stage.
+        receive: ``receive(from_stage, made_by) -> Tensor``: the activation of the previous stage.
+        send: ``send(tensor, to_stage, made_by)``: hands this stage's output to the next stage.
+    """
+
+    def __init__(self, inner, plan, stage, receive, send):
+        super().__init__(inner)
+        self.plan, self.stage = plan, stage
+        self._receive, self._send = receive, send
+        self._depth = 0  # > 0 inside a staged cell of this rank's stage
+        self._tagged = {}  # id(tensor) -> (tensor, stage): what this rank computed outside staged cells
+        self._received = {}  # id(Remote) -> the Tensor received for it
+        self._sent = set()  # ids of the tensors already sent on (one message per tensor)
+        self.inputs = []  # the leaves received this action
+        self.outputs = []  # the tensors sent this action
+
+    # ---- cells ------------------------------------------------------------------------------
+
+    def call_cell(self, cell, args, kwargs):
+        if self._depth:
+            return self.inner.call_cell(cell, args, kwargs)
+        stage = self.plan.stage_of_cell(cell)
+        if stage is None:
+            if self.plan.holds_stages(cell):  # a container: its construct routes the staged cells inside
+                return cell.construct(*args, **kwargs)
+            # Glue without parameters (a loss): it runs where its inputs live, as an op does.
+            remote = next((a for a in _flatten((args, kwargs)) if isinstance(a, Remote)), None)
+            if remote is not None:
+                return Remote(remote.stage, f"{type(cell).__name__} on the output of {remote.made_by}")
+            out = cell.construct(*args, **kwargs)
+            return out
+        name = self.plan.describe(cell)
+        if stage != self.stage:
+            self._send_inputs(args, kwargs, stage, name)
+            return Remote(stage, name)
+        mapping = self._receive_inputs(args, kwargs, name)
+        args, kwargs = _replace(args, mapping), _replace(kwargs, mapping)
+        self._depth += 1
+        try:
+            out = self.inner.call_cell(cell, args, kwargs)
+        finally:
+            self._depth -= 1
+        for t in _flatten(out):
+            if isinstance(t, Tensor):
+                self._tagged[id(t)] = (t, stage)
+        return out
+
+    def _send_inputs(self, args, kwargs, stage, name):
+        for value in _flatten((args, kwargs)):
+            if not isinstance(value, Tensor) or id(value) not in self._tagged:
+                continue  # data and constants: every rank has them
+            if stage != self.stage + 1:
+                raise PipelineError(f"{name} (pipeline stage {stage}) takes an output of stage {self.stage}: a stage "
+                                    f"takes outputs only of the stage before it (expected stage {stage - 1}); "
+                                    f"set pipeline_stage so that stages follow the order of the forward")
+            if id(value) not in self._sent:
+                self._sent.add(id(value))
+                self.outputs.append(value)
+                self._send(value, stage, name)
+
+    def _receive_inputs(self, args, kwargs, name):
+        mapping = {}
+        for value in _flatten((args, kwargs)):
+            if not isinstance(value, Remote):
+                continue
+            if value.stage != self.stage - 1:
+                raise PipelineError(f"{name} (pipeline stage {self.stage}) takes the output of {value.made_by} "
+                                    f"(stage {value.stage}): a stage takes outputs only of the stage before it "
+                                    f"(expected stage {self.stage - 1})")
+            if id(value) not in self._received:
+                self._received[id(value)] = self._receive(value.stage, value.made_by)
+                self.inputs.append(self._received[id(value)])
+            mapping[id(value)] = self._received[id(value)]
+        return mapping
+
+    # ---- ops --------------------------------------------------------------------------------
+
+    def call_op(self, prim, args):
+        if self._depth:
+            return self.inner.call_op(prim, args)
+        remote = next((a for a in args if isinstance(a, Remote)), None)
+        if remote is not None:
+            return Remote(remote.stage, f"{prim.name} on the output of {remote.made_by}")
+        for a in args:
+            if isinstance(a, Parameter):
+                raise PipelineError(f"{prim.name} reads parameter {a.name!r} outside every cell with a "
+                                    f"pipeline_stage: parameters are read only inside the cells of their stage")
+        stages = {self._tagged[id(a)][1] for a in args if isinstance(a, Tensor) and id(a) in self._tagged}
+        out = self.inner.call_op(prim, args)
+        if stages:
+            self._tagged[id(out)] = (out, max(stages))
+        return out
+
+    def stage_of(self, value):
+        """The stage a value of this action lives on: its own for tensors this rank computed from
+        staged cells, a Remote's, or None for data and constants."""
+        if isinstance(value, Remote):
+            return value.stage
+        if isinstance(value, Tensor) and id(value) in self._tagged:
+            return self._tagged[id(value)][1]
+        return None
+
+
+def check_one_activation(layer, micro, what):
+    """Raises unless the action moved at most one tensor each way (the limit the backward relies on)."""
+    for kind, tensors in (("received", layer.inputs), ("sent", layer.outputs)):
+        if len(tensors) > 1:
+            shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+            raise PipelineError(f"{what} of micro-batch {micro} {kind} {len(tensors)} tensors ({shapes}) across its "
+                                f"stage boundary; minidl's pipeline moves one tensor per boundary: return one tensor "
+                                f"from the last cell of each stage")

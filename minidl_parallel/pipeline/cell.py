@@ -14,6 +14,7 @@ get no gradient on this rank.
 With ``pipeline_stages`` 1 the micro-batches run one after the other on this rank: the same sum,
 by plain gradient accumulation.
 """
+from minidl import backend
 from minidl.nn import Cell
 from minidl.ops.primitive import Primitive
 
@@ -106,6 +107,8 @@ class PipelineCell(Cell):
         loss, sums, self.last_step = run_step(self.network, plan, schedule, comm, stage, inputs)
         loss = _from_last_stage(comm, loss, stages - 1)
         params = plan.parameters[stage]
+        if params:  # (the loss that came from the last stage, on this stage's device)
+            loss = backend.to_device(loss, backend.get_array_module(params[0].data))
         return _StepGradients(loss, [sums.get(id(p)) for p in params]).apply(*params)
 
     def _accumulate(self, inputs):

@@ -31,6 +31,11 @@ class PipelineError(RuntimeError):
     """A network whose stages cannot run as a pipeline (what and where, in the message)."""
 
 
+class RemoteAttributeError(PipelineError, AttributeError):
+    """An attribute (shape, dtype, ...) of a value that lives on another stage's rank: an
+    AttributeError too, so that ``getattr(x, "shape", None)`` says "no shape here"."""
+
+
 class Remote:
     """The output of a cell of another stage (or code on it): it lives on that stage's ranks."""
 
@@ -40,7 +45,7 @@ class Remote:
         self.stage, self.made_by = stage, made_by
 
     def __getattr__(self, name):
-        raise PipelineError(f"the construct reads {name!r} of the output of {self.made_by}, which lives on pipeline "
+        raise RemoteAttributeError(f"the construct reads {name!r} of the output of {self.made_by}, which lives on pipeline "
                             f"stage {self.stage} (another rank): move this code into a cell of that stage")
 
     def __getitem__(self, key):  # (an attention's (output, weights)[0]: still the other stage's)
@@ -95,35 +100,57 @@ class StageForward(Layered):
         self.inputs = []  # the leaves received this action
         self.outputs = []  # the tensors sent this action
 
-    # ---- cells ------------------------------------------------------------------------------
+    # ---- cells and ops ----------------------------------------------------------------------
 
     def call_cell(self, cell, args, kwargs):
         if self._depth:
             return self.inner.call_cell(cell, args, kwargs)
         stage = self.plan.stage_of_cell(cell)
-        if stage is None:
-            if self.plan.holds_stages(cell):  # a container: its construct routes the staged cells inside
-                return cell.construct(*args, **kwargs)
-            # Glue without parameters (a loss): it runs where its inputs live, as an op does.
-            remote = next((a for a in _flatten((args, kwargs)) if isinstance(a, Remote)), None)
-            if remote is not None:
-                return Remote(remote.stage, f"{type(cell).__name__} on the output of {remote.made_by}")
-            out = cell.construct(*args, **kwargs)
-            return out
-        name = self.plan.describe(cell)
-        if stage != self.stage:
+        if stage is None and self.plan.holds_stages(cell):  # a container: its construct routes the cells inside
+            return cell.construct(*args, **kwargs)
+        if stage is not None:
+            return self._run_on(stage, self.plan.describe(cell), args, kwargs, self.inner.call_cell, cell)
+        # Glue without parameters (a loss, an activation cell): it runs where its inputs live, as an op.
+        return self._run_on(self._stage_of_inputs(args, kwargs), f"{type(cell).__name__} cell", args, kwargs,
+                            lambda c, a, k: c.construct(*a, **k), cell)
+
+    def call_op(self, prim, args):
+        if self._depth:
+            return self.inner.call_op(prim, args)
+        # An op that reads a parameter (a method of a staged cell, BatchNorm's with_relu) runs on the
+        # parameter's stage; other ops of the construct run where their inputs live.
+        stages = {self.plan.stage_of_parameter.get(id(a)) for a in args if isinstance(a, Parameter)}
+        if None in stages:
+            name = next(a.name for a in args if isinstance(a, Parameter)
+                        and self.plan.stage_of_parameter.get(id(a)) is None)
+            raise PipelineError(f"{prim.name} reads parameter {name!r}, which belongs to no cell with a pipeline_stage")
+        if len(stages) > 1:
+            raise PipelineError(f"{prim.name} reads parameters of stages {sorted(stages)}: an op runs on one stage")
+        stage = stages.pop() if stages else self._stage_of_inputs(args, {})
+        return self._run_on(stage, f"op {prim.name}", args, {}, lambda p, a, k: self.inner.call_op(p, a), prim)
+
+    def _stage_of_inputs(self, args, kwargs):
+        stages = [self.stage_of(v) for v in _flatten((args, kwargs))]
+        stages = [s for s in stages if s is not None]
+        return max(stages) if stages else None
+
+    def _run_on(self, stage, name, args, kwargs, run, target):
+        """``run(target, args, kwargs)`` on ``stage``: here, with the inputs of the stage before received;
+        elsewhere, with this rank's inputs sent there and a Remote for the output."""
+        if stage is not None and stage != self.stage:
             self._send_inputs(args, kwargs, stage, name)
             return Remote(stage, name)
         mapping = self._receive_inputs(args, kwargs, name)
         args, kwargs = _replace(args, mapping), _replace(kwargs, mapping)
         self._depth += 1
         try:
-            out = self.inner.call_cell(cell, args, kwargs)
+            out = run(target, args, kwargs)
         finally:
             self._depth -= 1
-        for t in _flatten(out):
-            if isinstance(t, Tensor):
-                self._tagged[id(t)] = (t, stage)
+        if stage is not None or mapping or self._stage_of_inputs(args, kwargs) is not None:
+            for t in _flatten(out):
+                if isinstance(t, Tensor):
+                    self._tagged[id(t)] = (t, self.stage)
         return out
 
     def _send_inputs(self, args, kwargs, stage, name):
@@ -153,24 +180,6 @@ class StageForward(Layered):
                 self.inputs.append(self._received[id(value)])
             mapping[id(value)] = self._received[id(value)]
         return mapping
-
-    # ---- ops --------------------------------------------------------------------------------
-
-    def call_op(self, prim, args):
-        if self._depth:
-            return self.inner.call_op(prim, args)
-        remote = next((a for a in args if isinstance(a, Remote)), None)
-        if remote is not None:
-            return Remote(remote.stage, f"{prim.name} on the output of {remote.made_by}")
-        for a in args:
-            if isinstance(a, Parameter):
-                raise PipelineError(f"{prim.name} reads parameter {a.name!r} outside every cell with a "
-                                    f"pipeline_stage: parameters are read only inside the cells of their stage")
-        stages = {self._tagged[id(a)][1] for a in args if isinstance(a, Tensor) and id(a) in self._tagged}
-        out = self.inner.call_op(prim, args)
-        if stages:
-            self._tagged[id(out)] = (out, max(stages))
-        return out
 
     def stage_of(self, value):
         """The stage a value of this action lives on: its own for tensors this rank computed from

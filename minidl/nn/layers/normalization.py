@@ -74,9 +74,12 @@ class _BatchNorm(Cell):
         return fused(*args) if residual is None else fused(*args, residual)
 
     def _op(self, x):
-        """The BatchNorm primitive for x (training or inference statistics), once x is checked."""
-        shape = x.shape
-        if len(shape) not in self._ranks or shape[1] != self.num_features:
+        """The BatchNorm primitive for x (training or inference statistics), once x is checked.
+
+        A value without a shape (a pipeline's stand-in for another stage's output) is left for the
+        op to check where it runs."""
+        shape = getattr(x, "shape", None)
+        if shape is not None and (len(shape) not in self._ranks or shape[1] != self.num_features):
             raise ValueError(f"{type(self).__name__}: input of shape {tuple(shape)} must be {self._layout} "
                              f"with C = num_features = {self.num_features}")
         batch_stats = self.training if self.use_batch_statistics is None else self.use_batch_statistics

@@ -1,0 +1,114 @@
+"""Networks cut into pipeline stages, and the single-device run a pipeline must equal.
+
+Each builder makes the same network, with the same weights, whatever the stage count: ``stages``
+only sets ``pipeline_stage`` on its cells (1: every cell on stage 0, as a plain network). The
+reference trains one device with gradient accumulation over the same micro-batches: one
+``value_and_grad`` per micro-batch, the gradients added in micro-batch order, one optimizer step.
+"""
+import numpy as np
+
+from minidl import backend, nn, Tensor
+from minidl.autograd import value_and_grad
+from minidl.models.gpt import GPT
+from minidl.models.resnet import BasicBlock, ResNet
+from minidl.optim import Momentum
+
+__all__ = ["mlp", "resnet", "gpt", "reference", "batches", "stage_of"]
+
+
+def stage_of(k, n, stages):
+    """The stage of item k of n when n items are cut into ``stages`` runs of nearly equal length."""
+    return k * stages // n
+
+
+def _set_weights(net, seed):
+    rng = np.random.default_rng(seed)
+    for p in net.trainable_params():
+        p.set_data(Tensor((0.5 * rng.standard_normal(p.shape)).astype(p.dtype)))
+
+
+def mlp(stages, widths=(6, 8, 8, 5), classes=3):
+    """Dense layers (ReLU between), each its own stage run; a softmax cross-entropy loss."""
+    layers = [nn.Dense(a, b, activation="relu") for a, b in zip(widths[:-1], widths[1:])]
+    layers.append(nn.Dense(widths[-1], classes))
+    body = nn.SequentialCell(layers)
+    _set_weights(body, 11)
+    for k, layer in enumerate(layers):
+        layer.pipeline_stage = stage_of(k, len(layers), stages)
+    return nn.WithLossCell(body, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+
+
+def resnet(stages):
+    """A small CIFAR ResNet (BatchNorm, residual blocks, its stem's with_relu and global mean as
+    glue): the stem on stage 0, the residual stages cut in order, the classifier on the last."""
+    net = ResNet(BasicBlock, (1, 1, 1), (4, 8, 8), num_classes=3)
+    _set_weights(net, 12)
+    units = [net.conv1, net.bn1] + list(net.layers) + [net.fc]
+    for k, unit in enumerate(units):
+        unit.pipeline_stage = stage_of(k, len(units), stages)
+    return nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+
+
+class _TokenLoss(nn.Cell):
+    """Cross-entropy of (batch, time, vocab) logits against (batch, time) ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.ce = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+
+    def construct(self, logits, labels):
+        n, t, v = logits.shape
+        return self.ce(logits.reshape(n * t, v), labels.reshape(n * t))
+
+
+def gpt(stages, n_layer=4):
+    """A small GPT with its own head (untied): embeddings on stage 0, the blocks cut in order, the
+    final LayerNorm and the head on the last stage."""
+    net = GPT(vocab_size=11, block_size=8, n_layer=n_layer, n_head=2, n_embd=8, tie_weights=False)
+    _set_weights(net, 13)
+    net.wte.pipeline_stage = net.wpe.pipeline_stage = 0
+    for k, block in enumerate(net.blocks):
+        block.pipeline_stage = stage_of(k, len(net.blocks), stages)
+    net.ln_f.pipeline_stage = net.lm_head.pipeline_stage = stages - 1
+    return nn.WithLossCell(net, _TokenLoss())
+
+
+def batches(kind, steps, batch, seed=3):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        if kind == "mlp":
+            x = rng.standard_normal((batch, 6)).astype(np.float32)
+            y = rng.integers(0, 3, batch).astype(np.int32)
+        elif kind == "resnet":
+            x = rng.standard_normal((batch, 3, 8, 8)).astype(np.float32)
+            y = rng.integers(0, 3, batch).astype(np.int32)
+        else:
+            x = rng.integers(0, 11, (batch, 8)).astype(np.int32)
+            y = rng.integers(0, 11, (batch, 8)).astype(np.int32)
+        out.append((Tensor(x), Tensor(y)))
+    return out
+
+
+def optimizer(net):
+    return Momentum(net.trainable_params(), 0.05, 0.9)
+
+
+def reference(build, data, micro_batches):
+    """One device: per step, each micro-batch's gradients added in order, then one Momentum step.
+    Returns (the steps' summed losses, {name: every parameter, BatchNorm statistics included}), as NumPy."""
+    net = build(1)
+    params = net.trainable_params()
+    opt = optimizer(net)
+    fn = value_and_grad(net, None, params)
+    losses = []
+    for x, y in data:
+        total, acc = None, None
+        n = x.shape[0] // micro_batches
+        for k in range(micro_batches):
+            loss, grads = fn(Tensor(x.data[k * n:(k + 1) * n]), Tensor(y.data[k * n:(k + 1) * n]))
+            acc = list(grads) if acc is None else [a + g for a, g in zip(acc, grads)]
+            total = loss.data.copy() if total is None else total + loss.data
+        opt(tuple(acc))
+        losses.append(backend.to_numpy(total))
+    return losses, {name: backend.to_numpy(p.data) for name, p in net.parameters_and_names()}

@@ -1,0 +1,71 @@
+"""A pipeline's training equals one device's with gradient accumulation over the same micro-batches.
+
+Each rank of a threads world runs one stage of ``nn.PipelineCell`` inside ``nn.TrainOneStepCell``
+(SEMI_AUTO_PARALLEL, ``pipeline_stages`` = the world size); after k steps each rank's parameters,
+BatchNorm statistics included, and every step's loss equal the single-device run of
+pipeline_models.reference, bit for bit (the micro-batches' gradients are added in the same order).
+CI draws a few configurations; the whole matrix is the slow set (MINIDL_SLOW=1).
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import minidl_parallel as mp
+from minidl import backend, nn
+from minidl_parallel.nn import PipelineCell
+from minidl_parallel.pipeline.stages import StagePlan
+
+from . import pipeline_models as models
+
+BUILDERS = {"mlp": models.mlp, "resnet": models.resnet, "gpt": models.gpt}
+
+
+def run_pipeline(kind, stages, micro_batches, scheduler, data, build=None):
+    """Trains on ``stages`` thread ranks; returns per rank (losses, {name: array} of its stage)."""
+    build = build or BUILDERS[kind]
+
+    def body():
+        mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=stages,
+                                     pipeline_config={"pipeline_scheduler": scheduler})
+        net = build(stages)
+        step = nn.TrainOneStepCell(PipelineCell(net, micro_batches), models.optimizer(net))
+        losses = [step(x, y).asnumpy().copy() for x, y in data]
+        plan = StagePlan(net, stages)
+        mine = {name: backend.to_numpy(p.data) for name, p in net.parameters_and_names()
+                if plan.stage_of_parameter[id(p)] == mp.get_rank()}
+        return losses, mine
+
+    return mp.run_threads(stages, body, timeout=240)
+
+
+def check_equal(kind, stages, micro_batches, scheduler, steps=2, batch=8):
+    data = models.batches(kind, steps, batch)
+    ref_losses, ref = models.reference(BUILDERS[kind], data, micro_batches)
+    ranks = run_pipeline(kind, stages, micro_batches, scheduler, data)
+    seen = {}
+    for rank, (losses, mine) in enumerate(ranks):
+        for got, want in zip(losses, ref_losses):  # every rank reports the last stage's loss
+            assert got.dtype == want.dtype and np.array_equal(got, want), (rank, losses, ref_losses)
+        for name, value in mine.items():
+            assert name not in seen, f"{name} is on two stages"
+            seen[name] = value
+            np.testing.assert_array_equal(value, ref[name], err_msg=f"{kind}: {name} on rank {rank}")
+    assert sorted(seen) == sorted(ref)  # every parameter (and BatchNorm statistic) lives on one stage
+
+
+@pytest.mark.parametrize("kind, stages, micro_batches, scheduler", [
+    ("mlp", 2, 2, "1f1b"), ("mlp", 4, 4, "gpipe"), ("mlp", 4, 8, "1f1b"),
+    ("resnet", 2, 4, "1f1b"), ("resnet", 4, 4, "gpipe"), ("gpt", 2, 2, "gpipe"), ("gpt", 2, 4, "1f1b"),
+])
+def test_a_pipeline_trains_as_one_device_accumulating_the_same_micro_batches(kind, stages, micro_batches,
+                                                                              scheduler):
+    check_equal(kind, stages, micro_batches, scheduler)
+
+
+@pytest.mark.slow
+@given(kind=st.sampled_from(sorted(BUILDERS)), stages=st.sampled_from([2, 4]), extra=st.integers(0, 4),
+       scheduler=st.sampled_from(["gpipe", "1f1b"]), steps=st.integers(1, 3))
+@settings(max_examples=40, deadline=None)
+def test_every_drawn_pipeline_trains_as_one_device(kind, stages, extra, scheduler, steps):
+    micro_batches = min(stages + extra, 8)
+    check_equal(kind, stages, micro_batches, scheduler, steps=steps, batch=2 * micro_batches)

@@ -158,9 +158,7 @@ class StageForward(Layered):
             if not isinstance(value, Tensor) or id(value) not in self._tagged:
                 continue  # data and constants: every rank has them
             if stage != self.stage + 1:
-                raise PipelineError(f"{name} (pipeline stage {stage}) takes an output of stage {self.stage}: a stage "
-                                    f"takes outputs only of the stage before it (expected stage {stage - 1}); "
-                                    f"set pipeline_stage so that stages follow the order of the forward")
+                raise _out_of_order(name, stage, self.stage)
             if id(value) not in self._sent:
                 self._sent.add(id(value))
                 self.outputs.append(value)
@@ -172,9 +170,7 @@ class StageForward(Layered):
             if not isinstance(value, Remote):
                 continue
             if value.stage != self.stage - 1:
-                raise PipelineError(f"{name} (pipeline stage {self.stage}) takes the output of {value.made_by} "
-                                    f"(stage {value.stage}): a stage takes outputs only of the stage before it "
-                                    f"(expected stage {self.stage - 1})")
+                raise _out_of_order(name, self.stage, value.stage)
             if id(value) not in self._received:
                 self._received[id(value)] = self._receive(value.stage, value.made_by)
                 self.inputs.append(self._received[id(value)])
@@ -189,6 +185,13 @@ class StageForward(Layered):
         if isinstance(value, Tensor) and id(value) in self._tagged:
             return self._tagged[id(value)][1]
         return None
+
+
+def _out_of_order(name, stage, source):
+    """The error both ranks of a message against the stage order raise: the same words on each."""
+    takes = "only the data" if stage == 0 else f"the data and the outputs of stage {stage - 1} only"
+    return PipelineError(f"{name} (pipeline stage {stage}) takes an output of stage {source}, but stage {stage} takes "
+                         f"{takes}: set pipeline_stage so that the stages follow the order of the forward")
 
 
 def check_one_activation(layer, micro, what):

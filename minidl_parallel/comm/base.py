@@ -215,6 +215,7 @@ class Communicator(ABC):
         self.collective_count = 0
         self.sent_messages = self.sent_bytes = self.received_messages = self.received_bytes = 0
         self._p2p_seq = {}  # (kind, peer, tag) -> messages so far: pairs a send with its receive
+        self._p2p_label = ""  # what the messages started now are for (labelled), printed in their stalls
         self._call = CallInfo("(none)", -1, None, None)  # the latest collective begun, for messages
 
     def _settings(self):
@@ -489,6 +490,16 @@ class Communicator(ABC):
             return [self.isend(op.array, op.peer, op.tag) if op.op == "send" else self.irecv(op.array, op.peer, op.tag)
                     for op in ops]
 
+    @contextlib.contextmanager
+    def labelled(self, label):
+        """Names what the sends and receives started inside the block are for (a pipeline's "stage 1,
+        F3: the activation from stage 0"): stall warnings and timeouts print it after the message."""
+        previous, self._p2p_label = self._p2p_label, str(label)
+        try:
+            yield self
+        finally:
+            self._p2p_label = previous
+
     def _begin_p2p(self, kind, x, peer, tag):
         """Checks the peer and tag, numbers the message for its pair, and names it for messages."""
         who = "send" if kind == "send" else "recv"
@@ -501,7 +512,7 @@ class Communicator(ABC):
         seq = self._p2p_seq.get(key, 0)
         self._p2p_seq[key] = seq + 1
         shape, dtype = tuple(int(d) for d in x.shape), str(x.dtype)
-        call = self._call = CallInfo(kind, seq, shape, dtype, peer=peer, tag=tag)
+        call = self._call = CallInfo(kind, seq, shape, dtype, self._p2p_label, peer=peer, tag=tag)
         site = _call_site() if self.debug >= 2 else None
         return call, Fingerprint(seq, shape, dtype, site)
 

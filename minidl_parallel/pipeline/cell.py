@@ -56,7 +56,8 @@ class PipelineCell(Cell):
             (MindSpore's argument); a path the network lacks raises KeyError naming it.
 
     Attributes:
-        last_step: the messages of the latest step on this rank (``MessageRecord`` list), or None.
+        last_step: what the latest step did on this rank (a ``StepLog``: its messages, and the most
+            micro-batches it held at once), or None before the first.
     """
 
     def __init__(self, network, micro_size, stage_config=None):

@@ -14,7 +14,7 @@ Messages: an activation's shape is known to its sender only, so each is preceded
 later than the next receive, in one batch with it (``batch_isend_irecv``: on NCCL one group, so two
 neighbours sending to each other at once do not wait for each other), and receives wait: with the
 schedule's orders this never deadlocks (``Schedule.timeline`` is the proof). Every message is
-logged in ``record`` (what tests and benchmarks count).
+logged in the step's :class:`StepLog` (what tests and benchmarks count).
 """
 import numpy
 
@@ -24,10 +24,11 @@ from minidl.runtime import LOCAL
 from minidl.tensor import Tensor
 
 from ..comm.p2p import P2POp
+from ..comm.threads import _add_note
 from .schedules import FORWARD
 from .stage_forward import PipelineError, StageForward, check_one_activation
 
-__all__ = ["run_step", "split_micro_batches", "MessageRecord"]
+__all__ = ["run_step", "split_micro_batches", "MessageRecord", "StepLog"]
 
 ACTIVATION_TAG, HEADER_TAG, GRADIENT_TAG = 1, 2, 3
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "int16", "bool")
@@ -45,6 +46,21 @@ class MessageRecord:
 
     def __repr__(self):
         return f"MessageRecord({self.action}, {self.direction}, stage {self.peer}, {self.payload}, {self.nbytes} B)"
+
+
+class StepLog:
+    """What one step did on this rank: ``messages`` (MessageRecord list, in order) and ``peak_held``,
+    the most micro-batches whose forward graph (activations) the stage held at once."""
+
+    __slots__ = ("messages", "peak_held")
+
+    def __init__(self):
+        self.messages, self.peak_held = [], 0
+
+    def count(self, direction, payload):
+        """(messages, bytes) this rank sent or received ("send" / "recv") carrying ``payload``."""
+        chosen = [m for m in self.messages if m.direction == direction and m.payload == payload]
+        return len(chosen), sum(m.nbytes for m in chosen)
 
 
 def split_micro_batches(inputs, micro_batches):
@@ -74,11 +90,18 @@ class _Messages:
         self._started = []  # requests of started sends, completed at the end of the step
 
     def send(self, array, peer, tag, action, payload):
-        self._pending.append(P2POp("send", array, peer, tag))
+        self._pending.append((P2POp("send", array, peer, tag), _label(action, f"its {payload} for stage {peer}")))
         self.record.append(MessageRecord(action, "send", peer, payload, int(array.nbytes)))
 
+    def _start(self, ops):
+        """Starts the (op, label) pairs in one batch (one NCCL group), labelled with the last one's: the
+        receive a stall waits for (the sends before it belong to the actions just done)."""
+        with self.comm.labelled(ops[-1][1]):
+            return self.comm.batch_isend_irecv([op for op, _ in ops])
+
     def recv(self, buf, peer, tag, action, payload):
-        requests = self.comm.batch_isend_irecv(self._pending + [P2POp("recv", buf, peer, tag)])
+        requests = self._start(self._pending + [(P2POp("recv", buf, peer, tag),
+                                                 _label(action, f"the {payload} from stage {peer}"))])
         self._pending = []
         self._started += requests[:-1]
         requests[-1].wait()
@@ -87,11 +110,15 @@ class _Messages:
 
     def finish(self):
         if self._pending:
-            self._started += self.comm.batch_isend_irecv(self._pending)
+            self._started += self._start(self._pending)
             self._pending = []
         for request in self._started:
             request.wait()
         self._started = []
+
+
+def _label(action, what):
+    return f"pipeline stage {action.stage}, {action}: {what}"
 
 
 def _header(array):
@@ -114,10 +141,11 @@ def _dtype(name):
 class _StageRun:
     """The state of one step on one stage: the graphs of the micro-batches in flight, the sums."""
 
-    def __init__(self, network, plan, schedule, comm, stage, record):
+    def __init__(self, network, plan, schedule, comm, stage, log):
         self.network, self.plan, self.schedule, self.stage = network, plan, schedule, stage
         self.last = schedule.stages - 1
-        self.messages = _Messages(comm, record)
+        self.log = log
+        self.messages = _Messages(comm, log.messages)
         self.params = plan.parameters[stage]
         self.xp = backend.get_array_module(self.params[0].data) if self.params else numpy
         self.in_flight = {}  # micro-batch -> (its root: output sent or loss, its input leaf or None)
@@ -163,6 +191,7 @@ class _StageRun:
                                     f"later stage takes an output of stage {self.stage}")
             root = layer.outputs[0]
         self.in_flight[i] = (root, layer.inputs[0] if layer.inputs else None)
+        self.log.peak_held = max(self.log.peak_held, len(self.in_flight))
 
     def backward(self, action):
         root, leaf = self.in_flight.pop(action.micro)
@@ -199,15 +228,19 @@ def run_step(network, plan, schedule, comm, stage, inputs):
     Returns:
         (the last stage's sum of the micro-batch losses as a 0-d array, else None;
          {id(parameter): gradient summed over the micro-batches} for the stage's parameters;
-         the list of MessageRecord of the step)
+         the step's StepLog: its messages and the most micro-batches held at once)
     """
     micro = split_micro_batches(inputs, schedule.micro_batches)
-    record = []
-    run = _StageRun(network, plan, schedule, comm, stage, record)
+    log = StepLog()
+    run = _StageRun(network, plan, schedule, comm, stage, log)
     for action in schedule.actions(stage):
-        if action.kind == FORWARD:
-            run.forward(action, micro[action.micro])
-        else:
-            run.backward(action)
+        try:
+            if action.kind == FORWARD:
+                run.forward(action, micro[action.micro])
+            else:
+                run.backward(action)
+        except Exception as exc:  # noqa: B902 - re-raised, with where it happened
+            _add_note(exc, f"(in pipeline stage {stage}, {action}: the {action.kind} of micro-batch {action.micro})")
+            raise
     run.messages.finish()  # (not after a failure: the job ends, and a send's wait would only delay it)
-    return run.loss, run.sums, record
+    return run.loss, run.sums, log

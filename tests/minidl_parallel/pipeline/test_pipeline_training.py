@@ -1,0 +1,150 @@
+"""A pipeline in Model.train, and what a step does on each stage: its messages (counted from the
+executed step), the micro-batches it holds, its stalls and failures."""
+import time
+
+import numpy as np
+import pytest
+
+import minidl_parallel as mp
+from minidl import backend
+from minidl.dataset import NumpySlicesDataset
+from minidl.train import Model
+from minidl.train.callbacks import Callback
+from minidl_parallel.comm.base import CollectiveTimeout
+from minidl_parallel.nn import PipelineCell, PipelineGradReducer
+from minidl.autograd import value_and_grad
+
+from . import pipeline_models as models
+
+
+class _Losses(Callback):
+    def __init__(self):
+        self.seen = []
+
+    def on_train_step_end(self, run_context):
+        self.seen.append(backend.to_numpy(run_context.original_args().net_outputs.data).copy())
+
+
+def _pipeline_context(stages, scheduler="1f1b"):
+    mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=stages,
+                                 pipeline_config={"pipeline_scheduler": scheduler})
+
+
+def test_model_train_runs_a_pipeline_and_every_rank_sees_the_last_stages_loss():
+    data = models.batches("mlp", 3, 8)
+    xs = np.concatenate([x.asnumpy() for x, _ in data])
+    ys = np.concatenate([y.asnumpy() for _, y in data])
+    ref_losses, ref = models.reference(models.mlp, data, 4)
+
+    def body():
+        _pipeline_context(2)
+        net = models.mlp(2)
+        model = Model(PipelineCell(net, 4), optimizer=models.optimizer(net))
+        losses = _Losses()
+        dataset = NumpySlicesDataset((xs, ys), column_names=["x", "y"], shuffle=False).batch(8)
+        model.train(1, dataset, callbacks=[losses])
+        mine = net._backbone[mp.get_rank() * 2]  # stage r holds Dense layer 2r (and 2r + 1)
+        return losses.seen, backend.to_numpy(mine.weight.data)
+
+    for rank, (seen, weight) in enumerate(mp.run_threads(2, body, timeout=120)):
+        assert len(seen) == 3 and all(np.array_equal(a, b) for a, b in zip(seen, ref_losses)), (seen, ref_losses)
+        np.testing.assert_array_equal(weight, ref[f"_backbone.{2 * rank}.weight"])
+
+
+def test_mindsporess_functional_loop_with_the_grad_reducer_trains_as_train_one_step():
+    data = models.batches("mlp", 2, 8)
+    _, ref = models.reference(models.mlp, data, 2)
+
+    def body():
+        _pipeline_context(2)
+        net = models.mlp(2)
+        pipe = PipelineCell(net, 2)
+        optimizer = models.optimizer(net)
+        grad_fn = value_and_grad(lambda x, y: pipe(x, y), None, pipe.trainable_params())
+        reducer = PipelineGradReducer(optimizer.parameters)
+        for x, y in data:
+            _, grads = grad_fn(x, y)
+            optimizer(reducer(grads))
+        return {name: backend.to_numpy(p.data) for name, p in net.parameters_and_names()}
+
+    for rank, params in enumerate(mp.run_threads(2, body, timeout=120)):
+        for k in (2 * rank, 2 * rank + 1):
+            np.testing.assert_array_equal(params[f"_backbone.{k}.weight"], ref[f"_backbone.{k}.weight"])
+
+
+@pytest.mark.parametrize("stages, micro_batches, scheduler", [(2, 4, "gpipe"), (4, 4, "1f1b"), (4, 6, "gpipe"),
+                                                              (3, 5, "1f1b")])
+def test_a_step_sends_one_activation_and_one_gradient_per_micro_batch_per_boundary(stages, micro_batches,
+                                                                                    scheduler):
+    batch = 2 * micro_batches
+
+    def body():
+        _pipeline_context(stages, scheduler)
+        net = models.mlp(stages, widths=(6,) + (8,) * stages)  # every boundary: 8 features
+        pipe = PipelineCell(net, micro_batches)
+        x, y = models.batches("mlp", 1, batch)[0]
+        pipe(x, y)
+        log = pipe.last_step
+        return (log.count("send", "activation"), log.count("send", "gradient"), log.count("recv", "activation"),
+                log.count("recv", "gradient"), log.count("send", "header"), log.peak_held,
+                [(str(m.action), m.direction, m.peer, m.payload) for m in log.messages][:3])
+
+    out = mp.run_threads(stages, body, timeout=120)
+    schedule = mp.pipeline_schedule(stages, micro_batches, scheduler)
+    width = 8 * 2 * 4  # a micro-batch of 2 rows of 8 float32 features crosses every boundary
+    sent_activations = sum(o[0][0] for o in out)
+    sent_gradients = sum(o[1][0] for o in out)
+    assert sent_activations == sent_gradients == (stages - 1) * micro_batches
+    for stage, (act, grad, got_act, got_grad, headers, held, first) in enumerate(out):
+        last = stage == stages - 1
+        each = (micro_batches, micro_batches * width)
+        assert act == ((0, 0) if last else each) and got_grad == ((0, 0) if last else each)
+        assert grad == ((0, 0) if stage == 0 else each) and got_act == ((0, 0) if stage == 0 else each)
+        assert headers == ((0, 0) if last else (micro_batches, micro_batches * 80))  # 10 int64 each
+        assert held == schedule.peak_activations(stage)  # m for GPipe, min(p - s, m) for 1F1B
+    if stages > 1:  # stage 1's first action: F0, which receives its input's header, then the activation
+        assert out[1][6][:2] == [("F0", "recv", 0, "header"), ("F0", "recv", 0, "activation")]
+
+
+def test_a_stalled_stage_is_named_with_the_action_and_message_its_neighbour_waits_for():
+    data = models.batches("mlp", 1, 8)
+
+    def body():
+        _pipeline_context(2)
+        mp.get_communicator().timeout = 0.5 if mp.get_rank() == 1 else 30.0
+        net = models.mlp(2)
+        if mp.get_rank() == 0:
+            time.sleep(2.0)
+        return PipelineCell(net, 4)(*data[0])
+
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout) as info:
+        mp.run_threads(2, body, timeout=60)
+    assert time.monotonic() - start < 10
+    assert ("rank 1 of 2: threads backend: rank 1 of 2: recv #0 from rank 0 (tag 2, shape=(10,), dtype=int64) "
+            "(pipeline stage 1, F0: the header from stage 0) timed out after 0.5 s; ranks that have not arrived: "
+            "[0] (the sender has not sent it)") in str(info.value)
+
+
+def test_a_stage_that_raises_is_named_with_its_action():
+    data = models.batches("mlp", 1, 8)
+
+    def body():
+        _pipeline_context(2, "gpipe")
+        net = models.mlp(2)
+        if mp.get_rank() == 0:
+            layer = net._backbone[1]
+            original = layer.construct
+            calls = {"n": 0}
+
+            def failing(x):
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise ValueError("stage 0 fails on purpose")
+                return original(x)
+            layer.construct = failing
+        return PipelineCell(net, 4)(*data[0])
+
+    with pytest.raises(ValueError, match="rank 0 of 2: stage 0 fails on purpose") as info:
+        mp.run_threads(2, body, timeout=60)
+    assert info.value.__notes__ == ["(in pipeline stage 0, F2: the forward of micro-batch 2)"]

@@ -61,7 +61,8 @@ TARGETS = {
     "strategy_file": (["minidl_parallel/tensor_parallel/strategy_file.py"],
                       ["tests/minidl_parallel/test_strategy_ckpt.py",
                        # record_optimizer_slices: only the optimizer-parallel reducer writes it
-                       "tests/minidl_parallel/tensor_parallel/test_optimizer_parallel_tp.py"]),
+                       "tests/minidl_parallel/tensor_parallel/test_optimizer_parallel_tp.py",
+                       "tests/minidl_parallel/tensor_parallel/test_strategy_file_optimizer.py"]),
     # issue 31: optimizer parallelism (ZeRO) under DATA_PARALLEL and the tensor-parallel modes; not the
     # mpirun test (its ranks are subprocesses, "no tests" to mutmut) nor the slow matrices (deselected)
     "optimizer_parallel": (["minidl_parallel/optimizer_parallel", "minidl_parallel/optimizer_parallel_config.py"],

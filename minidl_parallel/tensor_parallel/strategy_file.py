@@ -38,8 +38,9 @@ protobuf. Its parts:
   ``opt_weight_shard_size`` / ``opt_weight_shard_step``: under optimizer parallelism the number of
   ranks a parameter's block is sliced over and the rank stride between them (0 without slicing),
   filled in when the slices are made, after the first step's backward
-  (:func:`record_optimizer_slices`); a load file whose non-zero values differ from the run's
-  raises naming the parameter;
+  (:func:`record_optimizer_slices`; when that backward runs inside the first call, as in a
+  TrainOneStepCell, once the call has written the file); a load file whose non-zero values differ
+  from the run's raises naming the parameter;
 - ``current_stage`` (0: no pipeline stages), and minidl's own ``format``, ``version``,
   ``parallel_mode`` and ``device_num``.
 """
@@ -57,7 +58,6 @@ from ..agreement import describe_ranks, disagreement
 from .layout import Layout
 from .parameters import same_blocks
 from .rules.base import StrategyError
-from .tensors import get_layout
 
 __all__ = ["FORMAT", "VERSION", "begin", "running", "active", "Session", "StrategyFile", "layout_item",
            "layout_from_item", "read", "write", "plan_of", "differences", "record_optimizer_slices"]
@@ -144,6 +144,10 @@ def read(path):
                          f"{content.get('format') if isinstance(content, dict) else None!r})")
     if content.get("version") != VERSION:
         raise ValueError(f"{who}: version {content.get('version')!r}, this minidl reads version {VERSION}")
+    for section in ("parallel_strategy_item", "parallel_layout_item"):
+        if not isinstance(content.get(section, {}), dict):  # (else an AttributeError on one rank leaves the rest waiting)
+            raise ValueError(f"{who}: {section} must be an object {{name: entry}}, got "
+                             f"{type(content[section]).__name__} {content[section]!r}")
     strategies = {key: _strategy_from_item(item, f"{who}: parallel_strategy_item {key!r}")
                   for key, item in content.get("parallel_strategy_item", {}).items()}
     layouts = {name: layout_from_item(item, f"{who}: parallel_layout_item {name!r}")
@@ -181,11 +185,23 @@ def _readable(content):
 
 # ---- the plan and the check -------------------------------------------------------------------
 
+def _layout(param):
+    """(layout, whole shape) of ``param``'s tensor-parallel block, or None when no operator placed it.
+
+    A parameter that optimizer parallelism sliced during the first call (a TrainOneStepCell's step)
+    carries an OptimizerSlice whose ``inner`` is the block's placement (None: never placed); read
+    by attribute, since optimizer_parallel imports this module.
+    """
+    placement = param.placement
+    placement = getattr(placement, "inner", placement)
+    return None if placement is None else (placement.layout, placement.shape)
+
+
 def plan_of(names, only_trainable):
     """{name: (layout, whole shape)} of the placed parameters among ``names`` ({name: Parameter})."""
     plan = {}
     for name, param in names.items():
-        entry = get_layout(param)
+        entry = _layout(param)
         if entry is not None and (param.requires_grad or not only_trainable):
             plan[name] = entry
     return plan
@@ -203,7 +219,7 @@ def differences(names, plan, loaded):
             problems.append(f"the file lays out parameter {name!r} of shape {shape} as {want}, but the network has "
                             f"no parameter of that name")
             continue
-        entry = get_layout(names[name])
+        entry = _layout(names[name])
         if entry is None:
             problems.append(f"parameter {name!r}: the file lays it out as {want} (shape {shape}), but no sharded "
                             f"operator of this call used it")
@@ -250,12 +266,15 @@ def _show_outcome(outcome):
     return f"{outcome[0]}: {outcome[1]}"
 
 
-_ERRORS = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError, "StrategyError": StrategyError,
-           "OSError": OSError, "PermissionError": PermissionError}
+# the kinds an outcome carries, each before its base classes
+_ERRORS = {"FileNotFoundError": FileNotFoundError, "PermissionError": PermissionError, "OSError": OSError,
+           "StrategyError": StrategyError, "ValueError": ValueError}
 
 
 def _failure(error):
-    return (type(error).__name__ if type(error).__name__ in _ERRORS else "OSError", str(error))
+    """(kind, message) of an OSError or ValueError: its class's name, else its nearest base's among
+    _ERRORS (json's JSONDecodeError is a ValueError, IsADirectoryError an OSError)."""
+    return next(name for name, kind in _ERRORS.items() if isinstance(error, kind)), str(error)
 
 
 class Session:
@@ -268,6 +287,10 @@ class Session:
         for path, param in cell.parameters_and_names():
             self.names.setdefault(checkpoint_name(path, param), param)
         self._name_of = {id(p): n for n, p in self.names.items()}
+        # {name the optimizer gave: checkpoint name}: under a wrapper (WithLossCell, TrainOneStepCell)
+        # a tree-derived name ("dense.weight") is not the path from the called cell ("_backbone.dense.weight")
+        self._name_of_given = {p.name: n for n, p in self.names.items()}
+        self.optimizer_slices = None  # recorded during this call (record_optimizer_slices), for finish
         self.strategies = {}  # what this call's operators ran with, MindSpore's keys
         self.loaded = None
         if config["load_file"]:
@@ -320,6 +343,8 @@ class Session:
                                            f"cannot write it: {e}"))
         _agree(self.comm, "strategy checkpoint", outcome)
         _mark_done(self)
+        if self.optimizer_slices is not None:  # on every rank: the reducer sliced inside this call
+            record_optimizer_slices(self.comm, self.settings, self.optimizer_slices)
 
 
 def _plain(strategy):
@@ -376,9 +401,17 @@ def _mark_done(session):
 def record_optimizer_slices(comm, settings, slices_by_name):
     """Optimizer parallelism's part of the plan: ``slices_by_name`` {name: (size, step)} per sliced
     parameter. Written into the save file (which the first call wrote) and checked against the load
-    file's non-zero entries; agreed on every rank, as the first call's check and write."""
+    file's non-zero entries; agreed on every rank, as the first call's check and write.
+
+    Called during the first call (the optimizer of a TrainOneStepCell slices in its first step),
+    the slices wait for Session.finish, which writes the save file first and then records them."""
+    session = active()
+    if session is not None:
+        session.optimizer_slices = {session._name_of_given.get(name, name): value
+                                    for name, value in slices_by_name.items()}
+        return
     config = settings["strategy_ckpt_config"]
-    outcome = None
+    outcome, which = None, "load_file"
     try:
         if config["load_file"]:
             with open(config["load_file"]) as f:
@@ -392,6 +425,7 @@ def record_optimizer_slices(comm, settings, slices_by_name):
                                                 f"{want[1]}, in the file, but over {size}, stride {step}, in this run "
                                                 f"(parallel_optimizer_config, the world or the layout differ)")
                     break
+        which = "save_file"
         if outcome is None and config["save_file"] and os.path.exists(config["save_file"]):
             with open(config["save_file"]) as f:
                 content = json.load(f)
@@ -404,5 +438,6 @@ def record_optimizer_slices(comm, settings, slices_by_name):
                 f.write(_readable(content))
             os.replace(temporary, config["save_file"])
     except (OSError, ValueError) as e:
-        outcome = _failure(e)
+        outcome = (_failure(e)[0], f"strategy_ckpt_config[{which!r}] {config[which]!r}: cannot read or write its "
+                                   f"optimizer slices: {e}")
     _agree(comm, "strategy checkpoint (optimizer slices)", outcome)

@@ -2,6 +2,7 @@
 its plan (each parameter's layout, each operator's strategy) as JSON; a run that loads it gives
 its operators without shard() the file's strategies and trains as the saving run did; a plan
 that differs from the file's raises on every rank, naming the parameter and both layouts."""
+import hashlib
 import json
 
 import numpy as np
@@ -19,14 +20,18 @@ STEPS = 3
 
 
 class MegatronMLP(nn.Cell):
-    """Column-parallel MatMul, ReLU, row-parallel MatMul; ``shard=False`` leaves every strategy unset."""
+    """Column-parallel MatMul, ReLU, row-parallel MatMul; ``shard=False`` leaves every strategy unset,
+    ``prefix`` starts the Parameters' names (a name that is not the attribute's is kept as given),
+    ``spare=True`` adds a Parameter no operator uses."""
 
-    def __init__(self, t, shard=True, row=None, second="w2"):
+    def __init__(self, t, shard=True, row=None, second="w2", prefix="", spare=False):
         super().__init__()
         rng = np.random.default_rng(3)
-        self.w1 = Parameter(rng.standard_normal((D, H)), name="w1")
-        setattr(self, second, Parameter(rng.standard_normal((H, D)), name=second))
+        self.w1 = Parameter(rng.standard_normal((D, H)), name=f"{prefix}w1")
+        setattr(self, second, Parameter(rng.standard_normal((H, D)), name=f"{prefix}{second}"))
         self.second = second
+        if spare:
+            self.spare = Parameter(np.zeros((2, 2)), name="spare")
         self.column, self.relu, self.row = ops.MatMul(), ops.ReLU(), ops.MatMul()
         if shard:
             self.column.shard(((1, 1), (1, t)))
@@ -143,7 +148,8 @@ def test_ranks_that_read_different_files_all_raise_instead_of_waiting(tmp_path):
         return _error_of("semi_auto_parallel", {"strategy_ckpt_load_file": path if mp.get_rank() == 0 else missing})
     errors = run_threads(2, rank)
     assert errors[0] == errors[1] and errors[0][0] == "StrategyError"
-    assert "strategy_ckpt_config['load_file']: the ranks differ: rank 0: read it (sha1 " in errors[0][1]
+    sha1 = hashlib.sha1(open(path, "rb").read()).hexdigest()
+    assert f"strategy_ckpt_config['load_file']: the ranks differ: rank 0: read it (sha1 {sha1[:12]}), " in errors[0][1]
     assert "rank 1: FileNotFoundError: strategy_ckpt_config['load_file']" in errors[0][1]
     assert "only_on_rank_0_1.json': no such file" in errors[0][1]
 
@@ -261,6 +267,10 @@ def _layout(tensor_map):
     ([1, 2], "not a 'minidl strategy checkpoint' file (its 'format' is None)"),
     ({"format": "mindspore"}, "not a 'minidl strategy checkpoint' file (its 'format' is 'mindspore')"),
     ({"format": "minidl strategy checkpoint", "version": 2}, "version 2, this minidl reads version 1"),
+    ({"format": "minidl strategy checkpoint", "version": 1, "parallel_layout_item": [["w1", {}]]},
+     "parallel_layout_item must be an object {name: entry}, got list [['w1', {}]]"),
+    ({"format": "minidl strategy checkpoint", "version": 1, "parallel_strategy_item": None},
+     "parallel_strategy_item must be an object {name: entry}, got NoneType None"),
     ({"format": "minidl strategy checkpoint", "version": 1, "parallel_strategy_item": {"MatMul_w1": {"stage": 0}}},
      "parallel_strategy_item 'MatMul_w1': not a strategy entry ({'stage': 0, 'parallel_strategy': [[...], ...]}): "
      "{'stage': 0} (KeyError: 'parallel_strategy')"),
@@ -312,13 +322,100 @@ def test_a_save_file_in_a_new_folder_is_written_there_and_one_that_cannot_be_wri
             return type(e).__name__, str(e)
         finally:
             mp.reset_auto_parallel_context()
-        return json.loads(open(path).read())
+        return open(path).read()
 
     path = str(tmp_path / "new" / "folder" / "plan.json")
-    content = run_threads(2, rank, path, True)[0]  # (every parameter frozen: no layout to save)
+    text = run_threads(2, rank, path, True)[0]  # (every parameter frozen: no layout to save)
+    content = json.loads(text)
     assert (content["current_stage"], content["parallel_layout_item"]) == (0, {})
+    assert '\n "parallel_layout_item": {}\n}' in text  # an empty section on its one line
     (tmp_path / "a_file").write_text("")
     blocked = str(tmp_path / "a_file" / "plan.json")
     errors = run_threads(2, rank, blocked, False)
     assert errors[0] == errors[1] and errors[0][0] == "OSError"
     assert errors[0][1].startswith(f"strategy_ckpt_config['save_file'] {blocked!r}: cannot write it: ")
+
+
+def test_every_problem_is_named_in_the_files_order_and_a_layout_written_with_other_axes_but_the_same_blocks_loads(
+        tmp_path):
+    """The file names a parameter the network lacks, one no operator used, one of another shape,
+    and w2 on a one-axis device matrix that gives every rank the blocks the run's [1, 2, 1] gives it."""
+    def item(dev_matrix, tensor_map, shape):
+        return {"dev_matrix": dev_matrix, "tensor_map": tensor_map, "tensor_shape": shape}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"format": "minidl strategy checkpoint", "version": 1, "device_num": 2,
+                                "parallel_layout_item": {"ghost": item([2], [0, -1], [2, 2]),
+                                                         "spare": item([2], [-1, -1], [2, 2]),
+                                                         "w1": item([1, 1, 2], [-1, 0], [D, 2 * H]),
+                                                         "w2": item([2], [0, -1], [H, D])}}))
+    errors = run_threads(2, _error_of, "semi_auto_parallel", {"strategy_ckpt_load_file": str(path)}, {"spare": True})
+    assert errors[0] == errors[1] and errors[0][0] == "StrategyError"
+    assert errors[0][1] == (
+        f"strategy_ckpt_config['load_file'] {str(path)!r}: this run's plan differs from the file's: "
+        f"the file lays out parameter 'ghost' of shape (2, 2) as (a, -) on [2], but the network has no parameter of "
+        f"that name; "
+        f"parameter 'spare': the file lays it out as (-, -) on [2] (shape (2, 2)), but no sharded operator of this "
+        f"call used it; "
+        f"parameter 'w1' has shape ({D}, {H}) here but ({D}, {2 * H}) in the file. "
+        f"Layouts read (a, -) on [2, 4]: dimension 0 cut along device axis a of a 2 x 4 device matrix; a shard() "
+        f"strategy wins over the file's, so remove or change the shard() calls that differ, or save a new file")
+
+
+@pytest.mark.parametrize("prefix", ["", "given_"])
+def test_parameters_are_named_as_a_checkpoint_of_the_called_cell_names_them(tmp_path, prefix):
+    """A name other than the attribute's stays; a name the attribute gives becomes the path from the
+    called cell (here a WithLossCell: "_backbone.w1"), in the layouts and in the operators' keys alike."""
+    path = str(tmp_path / "plan.json")
+
+    def rank():
+        mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="full_batch",
+                                     strategy_ckpt_config={"save_file": path})
+        try:
+            nn.WithLossCell(MegatronMLP(mp.get_group_size(), prefix=prefix), nn.MSELoss())(*map(Tensor, _data()))
+        finally:
+            mp.reset_auto_parallel_context()
+    run_threads(2, rank)
+    content = json.loads(open(path).read())
+    w1, w2 = ("given_w1", "given_w2") if prefix else ("_backbone.w1", "_backbone.w2")
+    assert sorted(content["parallel_layout_item"]) == [w1, w2]
+    assert sorted(content["parallel_strategy_item"]) == [f"MatMul_{w1}", f"MatMul_{w2}"]
+
+
+def test_an_operator_on_a_parameter_from_outside_the_network_is_keyed_by_its_own_name_or_not_at_all(tmp_path):
+    class Scaled(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w = Parameter(np.ones((D, D)), name="w")
+            self.inner, self.named, self.unnamed = ops.MatMul(), ops.MatMul(), ops.MatMul()
+
+        def construct(self, x, outside, anonymous):
+            return self.unnamed(self.named(self.inner(x, self.w), outside), anonymous)
+
+    path = str(tmp_path / "plan.json")
+
+    def rank():
+        mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", dataset_strategy="full_batch",
+                                     strategy_ckpt_config={"save_file": path})
+        try:
+            Scaled()(Tensor(_data()[0]), Parameter(np.ones((D, D)), name="outside"), Parameter(np.ones((D, D))))
+        finally:
+            mp.reset_auto_parallel_context()
+    run_threads(2, rank)
+    content = json.loads(open(path).read())
+    assert sorted(content["parallel_layout_item"]) == ["w"]  # (the file describes the network's own)
+    assert sorted(content["parallel_strategy_item"]) == ["MatMul_outside", "MatMul_w"]
+
+
+def test_a_save_file_written_on_one_rank_only_raises_on_every_rank_naming_each_ranks_outcome(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    blocked = str(tmp_path / "a_file" / "plan.json")
+
+    def rank():
+        path = str(tmp_path / "plan.json") if mp.get_rank() == 0 else blocked
+        return _error_of("semi_auto_parallel", {"strategy_ckpt_config": {"save_file": path}})
+    errors = run_threads(2, rank)
+    assert errors[0] == errors[1] and errors[0][0] == "StrategyError"
+    prefix = (f"strategy checkpoint: the ranks differ: rank 0: fine, rank 1: OSError: strategy_ckpt_config['save_file'] "
+              f"{blocked!r}: cannot write it: ")
+    assert errors[0][1].startswith(prefix), errors[0][1]
+    assert errors[0][1].endswith("; every rank must read the same file and make the same plan")

@@ -98,16 +98,15 @@ class PipelineCell(Cell):
             return self._accumulate(inputs)
         world = context.get_communicator()
         stage, stage_ranks, pipeline_ranks = context.stage_layout(world.size, world.rank, stages)
-        if len(stage_ranks) > 1:
-            raise NotImplementedError(f"PipelineCell: {world.size} ranks for {stages} stages put {len(stage_ranks)} "
-                                      f"ranks on each stage (data or tensor parallelism inside a stage), which this "
-                                      f"version does not run yet; use {stages} ranks")
         comm = self._group(world, pipeline_ranks)
         plan = StagePlan(self.network, stages)
         schedule = pipeline_schedule(stages, self.micro_size, scheduler)
         loss, sums, self.last_step = run_step(self.network, plan, schedule, comm, stage, inputs)
         loss = _from_last_stage(comm, loss, stages - 1)
         params = plan.parameters[stage]
+        if len(stage_ranks) > 1:  # data parallel replicas of the stage: their gradients are reduced over them
+            _reduce_over_replicas(self._group(world, stage_ranks), params, sums,
+                                  context.current_world().settings["gradients_mean"])
         if params:  # (the loss that came from the last stage, on this stage's device)
             loss = backend.to_device(loss, backend.get_array_module(params[0].data))
         return _StepGradients(loss, [sums.get(id(p)) for p in params]).apply(*params)
@@ -127,6 +126,25 @@ class PipelineCell(Cell):
         if key not in self._groups:
             self._groups[key] = world.split(list(pipeline_ranks))
         return self._groups[key]
+
+
+def _reduce_over_replicas(comm, params, sums, mean):
+    """Sums (or averages, with gradients_mean) the stage's gradients over its data-parallel replicas,
+    one all-reduce per dtype of one flat buffer; a parameter this replica's loss did not reach counts
+    as zeros, so every replica passes the same buffer."""
+    by_dtype = {}
+    for p in params:
+        by_dtype.setdefault(str(p.dtype), []).append(p)
+    for group in by_dtype.values():
+        xp = backend.get_array_module(group[0].data)
+        flat = xp.concatenate([(sums[id(p)] if id(p) in sums else xp.zeros(p.data.shape, p.data.dtype)).ravel()
+                               for p in group])
+        comm.allreduce_(flat, "mean" if mean else "sum")
+        offset = 0
+        for p in group:
+            size = p.data.size
+            sums[id(p)] = flat[offset:offset + size].reshape(p.data.shape)
+            offset += size
 
 
 def _from_last_stage(comm, loss, last):

@@ -94,21 +94,41 @@ def optimizer(net):
     return Momentum(net.trainable_params(), 0.05, 0.9)
 
 
-def reference(build, data, micro_batches):
+def reference(build, data, micro_batches, replicas=1, mean=False):
     """One device: per step, each micro-batch's gradients added in order, then one Momentum step.
-    Returns (the steps' summed losses, {name: every parameter, BatchNorm statistics included}), as NumPy."""
+
+    With ``replicas`` > 1 the step's batch is cut into that many blocks along axis 0 (the data-parallel
+    replicas' shards); each block's micro-batch gradients are added in order, then the blocks' sums
+    in block order (as the threads all-reduce adds the ranks'), times 1/replicas with ``mean``.
+
+    Returns (per step, the summed losses of block 0, {name: every parameter, BatchNorm statistics
+    included}), as NumPy.
+    """
     net = build(1)
     params = net.trainable_params()
     opt = optimizer(net)
     fn = value_and_grad(net, None, params)
     losses = []
     for x, y in data:
-        total, acc = None, None
-        n = x.shape[0] // micro_batches
-        for k in range(micro_batches):
-            loss, grads = fn(Tensor(x.data[k * n:(k + 1) * n]), Tensor(y.data[k * n:(k + 1) * n]))
-            acc = list(grads) if acc is None else [a + g for a, g in zip(acc, grads)]
-            total = loss.data.copy() if total is None else total + loss.data
-        opt(tuple(acc))
-        losses.append(backend.to_numpy(total))
+        sums, first_loss = [], None
+        rows = x.shape[0] // replicas
+        for r in range(replicas):
+            total, acc = None, None
+            n = rows // micro_batches
+            for k in range(micro_batches):
+                lo = r * rows + k * n
+                loss, grads = fn(Tensor(x.data[lo:lo + n]), Tensor(y.data[lo:lo + n]))
+                acc = list(grads) if acc is None else [a + g for a, g in zip(acc, grads)]
+                total = loss.data.copy() if total is None else total + loss.data
+            sums.append(acc)
+            first_loss = total if first_loss is None else first_loss
+        acc = [g.data.copy() for g in sums[0]]
+        for other in sums[1:]:
+            for a, g in zip(acc, other):
+                a += g.data
+        if mean and replicas > 1:
+            for a in acc:
+                a *= a.dtype.type(1.0 / replicas)
+        opt(tuple(Tensor(a) for a in acc))
+        losses.append(backend.to_numpy(first_loss))
     return losses, {name: backend.to_numpy(p.data) for name, p in net.parameters_and_names()}

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import minidl_parallel as mp
-from minidl import backend, nn
+from minidl import Tensor, backend, nn
 from minidl_parallel.nn import PipelineCell
 from minidl_parallel.pipeline.stages import StagePlan
 
@@ -69,3 +69,35 @@ def test_a_pipeline_trains_as_one_device_accumulating_the_same_micro_batches(kin
 def test_every_drawn_pipeline_trains_as_one_device(kind, stages, extra, scheduler, steps):
     micro_batches = min(stages + extra, 8)
     check_equal(kind, stages, micro_batches, scheduler, steps=steps, batch=2 * micro_batches)
+
+
+@pytest.mark.parametrize("kind, mean, scheduler", [("mlp", True, "1f1b"), ("resnet", False, "gpipe"),
+                                                   ("gpt", True, "gpipe")])
+def test_pipeline_times_data_parallel_equals_one_device_over_the_replicas_shards(kind, mean, scheduler):
+    """4 ranks: 2 stages x 2 replicas. Replica j (ranks j and 2 + j) trains on block j of each batch; a
+    stage's gradients are reduced over its replicas (summed, or averaged with gradients_mean)."""
+    stages, replicas, micro = 2, 2, 2
+    data = models.batches(kind, 2, 8)
+    ref_losses, ref = models.reference(BUILDERS[kind], data, micro, replicas=replicas, mean=mean)
+
+    def body():
+        mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=stages,
+                                     gradients_mean=mean, pipeline_config={"pipeline_scheduler": scheduler})
+        rank = mp.get_rank()
+        replica, rows = rank % replicas, 8 // replicas
+        net = BUILDERS[kind](stages)
+        step = nn.TrainOneStepCell(PipelineCell(net, micro), models.optimizer(net))
+        losses = [backend.to_numpy(step(Tensor(x.data[replica * rows:(replica + 1) * rows]),
+                                        Tensor(y.data[replica * rows:(replica + 1) * rows])).data)
+                  for x, y in data]
+        plan = StagePlan(net, stages)
+        mine = {name: backend.to_numpy(p.data) for name, p in net.parameters_and_names()
+                if plan.stage_of_parameter[id(p)] == rank // replicas}
+        return losses, mine
+
+    out = mp.run_threads(stages * replicas, body, timeout=240)
+    for rank, (losses, mine) in enumerate(out):
+        if rank % replicas == 0:  # replica 0 trained on block 0, whose losses the reference reports
+            assert all(np.array_equal(a, b) for a, b in zip(losses, ref_losses)), (rank, losses, ref_losses)
+        for name, value in mine.items():  # every replica of a stage holds the same parameters
+            np.testing.assert_array_equal(value, ref[name], err_msg=f"{kind}: {name} on rank {rank}")

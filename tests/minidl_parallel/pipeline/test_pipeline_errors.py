@@ -149,7 +149,6 @@ def test_a_batch_that_the_micro_batches_do_not_divide_is_refused_naming_both():
     (2, 2, "data_parallel", RuntimeError, "pipeline_stages is 2, which needs parallel_mode one of "
                                           "('semi_auto_parallel', 'auto_parallel')"),
     (3, 2, "semi_auto_parallel", ValueError, "pipeline_stages is 2, which does not divide the world size 3"),
-    (4, 2, "semi_auto_parallel", NotImplementedError, "PipelineCell: 4 ranks for 2 stages put 2 ranks on each stage"),
 ])
 def test_a_world_or_mode_that_cannot_run_the_pipeline_is_refused_on_every_rank(n, stages, mode, error, message):
     def call(pipe):

@@ -103,7 +103,9 @@ class GPT(nn.Cell):
         x = self.flatten(self.ln_f(x), (n * t, self.n_embd))
         if self.tie_weights:
             table = self.wte.embedding_table
-            if table.dtype != x.dtype:  # mixed precision: the head computes in x's type (O2 casts x, not the table)
+            # mixed precision: the head computes in x's type (O2 casts x, not the table); x has no dtype
+            # here when it is a pipeline's stand-in for the last stage's output (minidl_parallel.pipeline)
+            if table.dtype != getattr(x, "dtype", table.dtype):
                 table = ops.cast(table, x.dtype)
             logits = self.head(x, table)
         else:

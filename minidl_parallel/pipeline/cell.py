@@ -19,8 +19,10 @@ from minidl.nn import Cell
 from minidl.ops.primitive import Primitive
 
 from .. import context
+from ..comm.p2p import P2POp
 from .executor import run_step
 from .schedules import pipeline_schedule
+from .stage_forward import PipelineError
 from .stages import StagePlan
 
 __all__ = ["PipelineCell"]
@@ -72,6 +74,7 @@ class PipelineCell(Cell):
         self.micro_size = micro_size
         self.last_step = None
         self._groups = {}  # (world communicator, its pipeline ranks) -> the pipeline group, split once
+        self._synced = {}  # id(pipeline group) -> whether its shared parameters' copies were compared
         if stage_config is not None:
             self._set_stages(stage_config)
 
@@ -104,6 +107,8 @@ class PipelineCell(Cell):
         loss, sums, self.last_step = run_step(self.network, plan, schedule, comm, stage, inputs)
         loss = _from_last_stage(comm, loss, stages - 1)
         params = plan.parameters[stage]
+        _sum_shared(comm, plan, stage, sums, check=not self._synced.get(id(comm)))
+        self._synced[id(comm)] = True
         if len(stage_ranks) > 1:  # data parallel replicas of the stage: their gradients are reduced over them
             _reduce_over_replicas(self._group(world, stage_ranks), params, sums,
                                   context.current_world().settings["gradients_mean"])
@@ -126,6 +131,47 @@ class PipelineCell(Cell):
         if key not in self._groups:
             self._groups[key] = world.split(list(pipeline_ranks))
         return self._groups[key]
+
+
+SHARED_TAG = 4  # (the executor's tags are 1-3)
+
+
+def _sum_shared(comm, plan, stage, sums, check):
+    """The gradient of each parameter several stages use, summed over its stages in stage order (the
+    same sum, bit for bit, on each); with ``check``, the copies' values are compared first, since a
+    copy made with another seed would train a different model (MindSpore's sync_pipeline_shared_parameters
+    copies the first stage's; here every rank builds the same network, and a difference is a bug)."""
+    for param, stages in plan.shared.values():  # (in the order found: the same on every rank)
+        if stage not in stages:
+            continue
+        peers = [s for s in stages if s != stage]
+        xp = backend.get_array_module(param.data)
+        mine = sums.get(id(param))
+        mine = xp.zeros(param.data.shape, param.data.dtype) if mine is None else mine
+        if check:
+            values = _exchange(comm, param.data, peers)
+            differ = [s for s, v in values.items() if not bool((v == param.data).all())]
+            if differ:
+                raise PipelineError(f"parameter {param.name!r} is used by stages {stages}, but its copy on stage "
+                                    f"{stage} differs from the copy on stage(s) {differ}: build the network with the "
+                                    f"same seed and weights on every rank")
+        grads = _exchange(comm, mine, peers)
+        grads[stage] = mine
+        total = grads[stages[0]].copy()
+        for s in stages[1:]:
+            total += grads[s]
+        sums[id(param)] = total
+
+
+def _exchange(comm, array, peers):
+    """{stage: its array} from every peer stage, this rank's sent to each."""
+    array = array if array.flags.c_contiguous else array.copy()
+    ops = [P2POp("send", array, peer, SHARED_TAG) for peer in peers]
+    received = {peer: backend.get_array_module(array).empty_like(array) for peer in peers}
+    ops += [P2POp("recv", received[peer], peer, SHARED_TAG) for peer in peers]
+    for request in comm.batch_isend_irecv(ops):
+        request.wait()
+    return received
 
 
 def _reduce_over_replicas(comm, params, sums, mean):

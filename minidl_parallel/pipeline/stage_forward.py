@@ -126,7 +126,17 @@ class StageForward(Layered):
             raise PipelineError(f"{prim.name} reads parameter {name!r}, which belongs to no cell with a pipeline_stage")
         if len(stages) > 1:
             raise PipelineError(f"{prim.name} reads parameters of stages {sorted(stages)}: an op runs on one stage")
-        stage = stages.pop() if stages else self._stage_of_inputs(args, {})
+        stage = stages.pop() if stages else None
+        later = self._stage_of_inputs(args, {})
+        if stage is None:
+            stage = later
+        elif later is not None and later > stage:
+            # Its other inputs come from a later stage (a head tied to the embedding table): the op
+            # runs there, and the parameters become shared with that stage (their gradients summed).
+            for a in args:
+                if isinstance(a, Parameter):
+                    self.plan.share(a, stage, later)
+            stage = later
         return self._run_on(stage, f"op {prim.name}", args, {}, lambda p, a, k: self.inner.call_op(p, a), prim)
 
     def _stage_of_inputs(self, args, kwargs):

@@ -21,8 +21,11 @@ class StagePlan:
 
     Attributes:
         stages: the number of stages.
-        parameters: per stage, the list of its trainable parameters (in the network's order).
-        stage_of_parameter: id(parameter) -> its stage, for every parameter (trainable or not).
+        parameters: per stage, the list of its trainable parameters (in the network's order), a shared
+            one on each stage that uses it.
+        stage_of_parameter: id(parameter) -> its stage (its first, when shared), for every parameter.
+        shared: id(parameter) -> (parameter, its stages) for the parameters several stages use: held
+            by cells of several stages, or read by an op of a later stage (found as the forward runs).
     """
 
     def __init__(self, network, stages):
@@ -32,6 +35,7 @@ class StagePlan:
         self._holders = set()  # ids of the cells without a stage that hold staged cells
         owner = {}  # id(parameter) -> (stage, path of its staged cell)
         self.parameters = [[] for _ in range(stages)]
+        self.shared = {}  # id(parameter) -> (parameter, the stages that use it), for parameters of several
         self._walk(network, "", None, None, owner)
         self.stage_of_parameter = {k: stage for k, (stage, _) in owner.items()}
         for name, p in network.parameters_and_names():
@@ -64,9 +68,12 @@ class StagePlan:
                     continue
                 where = owner.get(id(p))
                 if where is not None and where[0] != inherited:
-                    raise PipelineError(f"parameter {p.name!r} is held by {where[1]!r} (stage {where[0]}) and by "
-                                        f"{inherited_path!r} (stage {inherited}): a parameter shared by two stages "
-                                        f"is not supported yet")
+                    if not p.requires_grad:
+                        raise PipelineError(f"parameter {p.name!r} is held by {where[1]!r} (stage {where[0]}) and by "
+                                            f"{inherited_path!r} (stage {inherited}): only trainable parameters can "
+                                            f"be shared by stages (their gradients are summed)")
+                    self.share(p, where[0], inherited)
+                    continue
                 if where is None:
                     owner[id(p)] = (inherited, inherited_path)
                     if p.requires_grad:  # (BatchNorm's moving statistics stay with their stage, untrained)
@@ -82,6 +89,16 @@ class StagePlan:
     def holds_stages(self, cell):
         """Whether ``cell`` has no stage of its own but staged cells inside (a container every rank runs)."""
         return id(cell) in self._holders
+
+    def share(self, param, owner, user):
+        """Records that ``param`` of stage ``owner`` is also used on stage ``user`` (a tied embedding
+        and head): each of its stages holds a copy and computes a gradient for its own uses, and the
+        copies' gradients are summed (``shared``), as MindSpore's shared pipeline parameters."""
+        stages = self.shared.setdefault(id(param), (param, [owner]))[1]
+        if user not in stages:
+            stages.append(user)
+            stages.sort()
+            self.parameters[user].append(param)
 
     def stage_of_cell(self, cell):
         """The stage of a staged cell, else None."""

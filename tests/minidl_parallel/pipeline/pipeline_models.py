@@ -13,7 +13,7 @@ from minidl.models.gpt import GPT
 from minidl.models.resnet import BasicBlock, ResNet
 from minidl.optim import Momentum
 
-__all__ = ["mlp", "resnet", "gpt", "reference", "batches", "stage_of"]
+__all__ = ["mlp", "resnet", "gpt", "gpt_tied", "reference", "batches", "stage_of"]
 
 
 def stage_of(k, n, stages):
@@ -73,6 +73,19 @@ def gpt(stages, n_layer=4):
     return nn.WithLossCell(net, _TokenLoss())
 
 
+def gpt_tied(stages, n_layer=4):
+    """The GPT with its head tied to the token embedding table (GPT-2's), in float64: the table is
+    used on stage 0 (the lookup) and on the last stage (the head), so the two stages share it."""
+    import numpy
+    net = GPT(vocab_size=11, block_size=8, n_layer=n_layer, n_head=2, n_embd=8, dtype=numpy.float64)
+    _set_weights(net, 14)
+    net.wte.pipeline_stage = net.wpe.pipeline_stage = 0
+    for k, block in enumerate(net.blocks):
+        block.pipeline_stage = stage_of(k, len(net.blocks), stages)
+    net.ln_f.pipeline_stage = stages - 1
+    return nn.WithLossCell(net, _TokenLoss())
+
+
 def batches(kind, steps, batch, seed=3):
     rng = np.random.default_rng(seed)
     out = []
@@ -83,7 +96,7 @@ def batches(kind, steps, batch, seed=3):
         elif kind == "resnet":
             x = rng.standard_normal((batch, 3, 8, 8)).astype(np.float32)
             y = rng.integers(0, 3, batch).astype(np.int32)
-        else:
+        else:  # gpt, gpt_tied
             x = rng.integers(0, 11, (batch, 8)).astype(np.int32)
             y = rng.integers(0, 11, (batch, 8)).astype(np.int32)
         out.append((Tensor(x), Tensor(y)))

@@ -20,8 +20,9 @@ from . import pipeline_models as models
 BUILDERS = {"mlp": models.mlp, "resnet": models.resnet, "gpt": models.gpt}
 
 
-def run_pipeline(kind, stages, micro_batches, scheduler, data, build=None):
-    """Trains on ``stages`` thread ranks; returns per rank (losses, {name: array} of its stage)."""
+def run_pipeline(kind, stages, micro_batches, scheduler, data, build=None, also=None):
+    """Trains on ``stages`` thread ranks; returns per rank (losses, {name: array} of its stage), and
+    ``also(net)`` third when given."""
     build = build or BUILDERS[kind]
 
     def body():
@@ -33,7 +34,7 @@ def run_pipeline(kind, stages, micro_batches, scheduler, data, build=None):
         plan = StagePlan(net, stages)
         mine = {name: backend.to_numpy(p.data) for name, p in net.parameters_and_names()
                 if plan.stage_of_parameter[id(p)] == mp.get_rank()}
-        return losses, mine
+        return (losses, mine) if also is None else (losses, mine, also(net))
 
     return mp.run_threads(stages, body, timeout=240)
 
@@ -101,3 +102,21 @@ def test_pipeline_times_data_parallel_equals_one_device_over_the_replicas_shards
             assert all(np.array_equal(a, b) for a, b in zip(losses, ref_losses)), (rank, losses, ref_losses)
         for name, value in mine.items():  # every replica of a stage holds the same parameters
             np.testing.assert_array_equal(value, ref[name], err_msg=f"{kind}: {name} on rank {rank}")
+
+
+@pytest.mark.parametrize("stages, scheduler", [(2, "1f1b"), (4, "gpipe")])
+def test_a_head_tied_to_the_embedding_shares_it_between_the_first_and_last_stage(stages, scheduler):
+    """The table's gradient is summed over the two stages after the micro-batches (one device adds the
+    two uses within each micro-batch): the same sums in another order, so float64 within 1e-10."""
+    data = models.batches("gpt", 2, 8)
+    ref_losses, ref = models.reference(models.gpt_tied, data, 4)
+    table = lambda net: backend.to_numpy(net._backbone.wte.embedding_table.data)  # noqa: E731
+    out = run_pipeline("gpt", stages, 4, scheduler, data, build=models.gpt_tied, also=table)
+    name = "_backbone.wte.embedding_table"
+    np.testing.assert_array_equal(out[-1][2], out[0][2])  # the last stage's copy stays the first's, bit for bit
+    for rank, (losses, mine, _) in enumerate(out):
+        np.testing.assert_allclose(np.array(losses), np.array(ref_losses), rtol=1e-10, atol=0)
+        for key, value in mine.items():
+            np.testing.assert_allclose(value, ref[key], rtol=1e-10, atol=1e-14, err_msg=f"{key} on rank {rank}")
+    first, last = out[0][1], out[-1][1]
+    assert name in first and name not in last  # (listed with its first stage)

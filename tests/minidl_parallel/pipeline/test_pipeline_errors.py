@@ -42,7 +42,7 @@ def test_the_plan_names_a_parameter_without_stage_a_stage_without_cell_and_a_sta
         StagePlan(nn.SequentialCell(dense_chain(stages_of_layers)), stages)
 
 
-def test_a_cell_inside_a_staged_cell_takes_its_stage_and_a_shared_parameter_is_refused():
+def test_a_cell_inside_a_staged_cell_takes_its_stage_and_a_parameter_of_two_stages_is_shared():
     inner = dense_chain((1,))
     outer = nn.SequentialCell(inner)
     outer.pipeline_stage = 0
@@ -52,9 +52,38 @@ def test_a_cell_inside_a_staged_cell_takes_its_stage_and_a_shared_parameter_is_r
         StagePlan(nn.SequentialCell([outer, *dense_chain((1,), widths=(5, 3))]), 2)
     a, b = dense_chain((0, 1), widths=(4, 4, 4))
     b.weight = a.weight  # one Parameter in two stages' cells (a tied embedding and head)
+    plan = StagePlan(nn.SequentialCell([a, b]), 2)
+    assert plan.shared == {id(a.weight): (a.weight, [0, 1])}
+    assert a.weight in plan.parameters[0] and a.weight in plan.parameters[1] and plan.stage_of_parameter[
+        id(a.weight)] == 0
+    norm_a, norm_b = nn.BatchNorm1d(4), nn.BatchNorm1d(4)
+    norm_a.pipeline_stage, norm_b.pipeline_stage = 0, 1
+    norm_b.moving_mean = norm_a.moving_mean
     with pytest.raises(PipelineError, match=re.escape(
-            "is held by '0' (stage 0) and by '1' (stage 1): a parameter shared by two stages is not supported yet")):
-        StagePlan(nn.SequentialCell([a, b]), 2)
+            "is held by '0' (stage 0) and by '1' (stage 1): only trainable parameters can be shared by stages")):
+        StagePlan(nn.SequentialCell([norm_a, norm_b]), 2)
+
+
+def test_copies_of_a_shared_parameter_that_differ_between_stages_are_refused_naming_them():
+    data = models.batches("gpt", 1, 4)
+
+    def build():
+        net = models.gpt_tied(2)
+        if mp.get_rank() == 1:  # this rank's copy of the tied table was made with other weights
+            table = net._backbone.wte.embedding_table
+            table.set_data(Tensor(table.asnumpy() + 1.0))
+        return net
+
+    def call(pipe):
+        with pytest.raises(PipelineError) as info:
+            pipe(*data[0])
+        return str(info.value)
+
+    messages = run(2, in_pipeline(2, build, call, micro=2))
+    assert messages[0] == ("parameter 'wte.embedding_table' is used by stages [0, 1], but its copy on stage 0 differs "
+                           "from the copy on stage(s) [1]: build the network with the same seed and weights on every "
+                           "rank")
+    assert messages[1].startswith("parameter 'wte.embedding_table' is used by stages [0, 1], but its copy on stage 1")
 
 
 def test_the_stages_of_a_network_hold_every_parameter_and_statistic_once():

@@ -38,7 +38,7 @@ Example:
 """
 import threading
 
-__all__ = ["Runtime", "Layered", "get_runtime", "set_runtime", "set_mode_layer", "LOCAL"]
+__all__ = ["Runtime", "Layered", "get_runtime", "set_runtime", "set_mode_layer", "mode_layer", "LOCAL"]
 
 
 class Runtime:
@@ -49,6 +49,10 @@ class Runtime:
 
     name = "local"
     intercepts_ops = False  # True: call_op does more than prim.apply (so fused shortcuts must not bypass it)
+    # True: a mode's layer (GRAPH_MODE) is not put over this runtime: it sees every op and Cell call as
+    # the user's code makes them (a pipeline stage's forward, which places its own work and runs the
+    # mode's layer itself inside the stage's cells).
+    layers_pass_through = False
 
     # ---- where this process stands ----------------------------------------------------------
 
@@ -225,7 +229,12 @@ def get_runtime():
     a mode's layer installed (:func:`set_mode_layer`), that layer over it."""
     placing = _thread.runtime or _process["runtime"] or LOCAL
     layer = _process["layer"]
-    return placing if layer is None else layer(placing)
+    return placing if layer is None or placing.layers_pass_through else layer(placing)
+
+
+def mode_layer():
+    """The mode's layer installed by :func:`set_mode_layer` (``runtime -> Layered runtime``), or None."""
+    return _process["layer"]
 
 
 def set_mode_layer(layer):

@@ -20,7 +20,7 @@ import numpy
 
 from minidl import backend
 from minidl.autograd import run_backward
-from minidl.runtime import LOCAL
+from minidl.runtime import LOCAL, mode_layer
 from minidl.tensor import Tensor
 
 from ..comm.p2p import P2POp
@@ -168,8 +168,10 @@ class _StageRun:
             self.messages.send(_header(array), to_stage, HEADER_TAG, action, "header")
             self.messages.send(array, to_stage, ACTIVATION_TAG, action, "activation")
 
-        # The stage's own cells run on the local runtime: the pipeline group is this rank's world here.
-        layer = StageForward(LOCAL, self.plan, self.stage, receive, send)
+        # The stage's own cells run on the local runtime (the pipeline group is this rank's world here),
+        # under the mode's layer when one is installed (GRAPH_MODE fuses inside the stage's cells).
+        mode = mode_layer()
+        layer = StageForward(LOCAL if mode is None else mode(LOCAL), self.plan, self.stage, receive, send)
         with layer:
             out = self.network(*inputs)
         what = f"stage {self.stage}"

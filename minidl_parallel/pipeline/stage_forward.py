@@ -89,6 +89,8 @@ class StageForward(Layered):
         send: ``send(tensor, to_stage, made_by)``: hands this stage's output to the next stage.
     """
 
+    layers_pass_through = True  # GRAPH_MODE's layer runs inside the stage's cells (``inner``), not over this
+
     def __init__(self, inner, plan, stage, receive, send):
         super().__init__(inner)
         self.plan, self.stage = plan, stage

@@ -92,6 +92,24 @@ class PipelineCell(Cell):
         stages, scheduler = self._settings()
         return pipeline_schedule(stages, self.micro_size, scheduler)
 
+    def gather_parameters(self):
+        """Makes this rank's copy of every stage's parameters (BatchNorm statistics included) current:
+        each stage's values go to the other stages of its pipeline (a collective of the pipeline group:
+        every rank calls it). Between steps a rank's copies of other stages' parameters are stale; after
+        this call the network on every rank is the trained one, to sample from or save whole."""
+        stages, _ = self._settings()
+        if stages == 1:
+            return
+        world = context.get_communicator()
+        stage, _, pipeline_ranks = context.stage_layout(world.size, world.rank, stages)
+        comm = self._group(world, pipeline_ranks)
+        plan = StagePlan(self.network, stages)
+        for _, param in self.network.parameters_and_names():
+            owner = plan.stage_of_parameter[id(param)]
+            value = comm.broadcast(param.data, root=owner)
+            if stage != owner:
+                param.set_data(value)
+
     def _settings(self):
         return context.pipeline_settings()  # (raises naming the mode when it cannot run a pipeline)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import minidl_parallel as mp
-from minidl import backend
+from minidl import backend, nn
 from minidl.dataset import NumpySlicesDataset
 from minidl.train import Model
 from minidl.train.callbacks import Callback
@@ -148,3 +148,27 @@ def test_a_stage_that_raises_is_named_with_its_action():
     with pytest.raises(ValueError, match="rank 0 of 2: stage 0 fails on purpose") as info:
         mp.run_threads(2, body, timeout=60)
     assert info.value.__notes__ == ["(in pipeline stage 0, F2: the forward of micro-batch 2)"]
+
+
+@pytest.mark.parametrize("kind, stages", [("resnet", 2), ("gpt", 4)])
+def test_gather_parameters_makes_every_ranks_network_the_trained_one(kind, stages):
+    build = {"resnet": models.resnet, "gpt": models.gpt}[kind]
+    data = models.batches(kind, 2, 8)
+    _, ref = models.reference(build, data, stages)
+
+    def body():
+        _pipeline_context(stages)
+        net = build(stages)
+        pipe = PipelineCell(net, stages)
+        step = nn.TrainOneStepCell(pipe, models.optimizer(net))
+        for x, y in data:
+            step(x, y)
+        stale = sum(not np.array_equal(backend.to_numpy(p.data), ref[name]) for name, p in net.parameters_and_names())
+        pipe.gather_parameters()
+        return stale, {name: backend.to_numpy(p.data) for name, p in net.parameters_and_names()}
+
+    for rank, (stale, params) in enumerate(mp.run_threads(stages, body, timeout=120)):
+        assert stale > 0  # before: the other stages' parameters were this rank's old copies
+        assert sorted(params) == sorted(ref)
+        for name, value in params.items():
+            np.testing.assert_array_equal(value, ref[name], err_msg=f"{name} on rank {rank}")

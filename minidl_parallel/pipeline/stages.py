@@ -7,6 +7,8 @@ staged cell (the network's own Cell, containers, a loss without parameters) are 
 runs. Every parameter must belong to exactly one staged cell, and every stage must have a cell:
 the plan raises naming the parameter, or the stage, otherwise.
 """
+from minidl.ops.primitive import Primitive
+
 from .stage_forward import PipelineError
 
 __all__ = ["StagePlan"]
@@ -49,6 +51,13 @@ class StagePlan:
 
     def _walk(self, cell, path, inherited, inherited_path, owner):
         """Visits cell and its children; returns whether it is or holds a staged cell."""
+        for attr, value in vars(cell).items():
+            if isinstance(value, Primitive) and value.in_strategy is not None:
+                # (the tensor-parallel dispatcher stays out of a pipelined run: the strategy would be ignored)
+                where = f"{path}.{attr}" if path else attr
+                raise NotImplementedError(f"{where} ({value!r}) has a shard() strategy, but tensor parallelism "
+                                          f"inside pipeline stages is not built in minidl yet: remove the strategy, "
+                                          f"or train without pipeline_stages")
         stage = _stage_attr(cell)
         if stage is not None:
             if stage >= self.stages:

@@ -12,6 +12,7 @@ from minidl.train import Model
 from minidl.train.callbacks import Callback
 from minidl_parallel.comm.base import CollectiveTimeout
 from minidl_parallel.nn import PipelineCell, PipelineGradReducer
+from minidl_parallel.pipeline.stages import StagePlan
 from minidl.autograd import value_and_grad
 
 from . import pipeline_models as models
@@ -172,3 +173,37 @@ def test_gather_parameters_makes_every_ranks_network_the_trained_one(kind, stage
         assert sorted(params) == sorted(ref)
         for name, value in params.items():
             np.testing.assert_array_equal(value, ref[name], err_msg=f"{name} on rank {rank}")
+
+
+def test_a_pipeline_resumes_from_its_ranks_checkpoints_bit_for_bit(tmp_path):
+    """ModelCheckpoint on every rank writes the rank's own file (its stage's parameters and optimizer
+    state are the true ones); resuming at the same stage count continues exactly."""
+    from minidl.train import CheckpointConfig, ModelCheckpoint
+    data = models.batches("resnet", 4, 8)
+    xs = np.concatenate([x.asnumpy() for x, _ in data])
+    ys = np.concatenate([y.asnumpy() for _, y in data])
+
+    def body(how):
+        _pipeline_context(2, "gpipe")
+        net = models.resnet(2)
+        model = Model(PipelineCell(net, 2), optimizer=models.optimizer(net))
+        dataset = NumpySlicesDataset((xs, ys), column_names=["x", "y"], shuffle=False).batch(8)
+        if how == "resume":
+            model.train(1, dataset, resume_from=str(tmp_path / "pp-1_2.ckpt"))
+        else:
+            saving = [ModelCheckpoint(prefix="pp", directory=str(tmp_path),
+                                      config=CheckpointConfig(save_checkpoint_steps=2))] if how == "save" else []
+            model.train(1, dataset, callbacks=saving)
+        plan = StagePlan(net, 2)
+        return {name: backend.to_numpy(p.data) for name, p in net.parameters_and_names()
+                if plan.stage_of_parameter[id(p)] == mp.get_rank()}
+
+    whole = mp.run_threads(2, lambda: body("straight"), timeout=120)
+    mp.run_threads(2, lambda: body("save"), timeout=120)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pp-1_2.ckpt", "pp-1_2_rank1.ckpt", "pp-1_4.ckpt",
+                                                          "pp-1_4_rank1.ckpt"]
+    resumed = mp.run_threads(2, lambda: body("resume"), timeout=120)
+    for rank in range(2):
+        assert sorted(resumed[rank]) == sorted(whole[rank])
+        for name, value in whole[rank].items():  # BatchNorm's moving statistics too
+            np.testing.assert_array_equal(resumed[rank][name], value, err_msg=f"{name} on rank {rank}")

@@ -207,3 +207,29 @@ def test_a_pipeline_resumes_from_its_ranks_checkpoints_bit_for_bit(tmp_path):
         assert sorted(resumed[rank]) == sorted(whole[rank])
         for name, value in whole[rank].items():  # BatchNorm's moving statistics too
             np.testing.assert_array_equal(resumed[rank][name], value, err_msg=f"{name} on rank {rank}")
+
+
+def test_a_loss_scaled_step_around_a_pipeline_trains_as_one_device():
+    """TrainOneStepWithLossScaleCell scales the pipeline's loss: the step's gradients are the sums
+    times the scale (a power of two: exact), unscaled before the optimizer; the overflow flag is summed
+    over every rank, so all stages skip or step together."""
+    from minidl import Tensor
+    data = models.batches("mlp", 3, 8)
+    ref_losses, ref = models.reference(models.mlp, data, 4)
+
+    def body():
+        _pipeline_context(2)
+        net = models.mlp(2)
+        step = nn.TrainOneStepWithLossScaleCell(PipelineCell(net, 4), models.optimizer(net),
+                                                scale_sense=Tensor(np.float32(1024.0)))
+        outs = [step(x, y) for x, y in data]
+        plan = StagePlan(net, 2)
+        return ([(backend.to_numpy(o[0].data), bool(o[1].asnumpy())) for o in outs],
+                {name: backend.to_numpy(p.data) for name, p in net.parameters_and_names()
+                 if plan.stage_of_parameter[id(p)] == mp.get_rank()})
+
+    for rank, (outs, mine) in enumerate(mp.run_threads(2, body, timeout=120)):
+        assert [overflow for _, overflow in outs] == [False] * 3
+        assert all(np.array_equal(loss, want) for (loss, _), want in zip(outs, ref_losses))
+        for name, value in mine.items():
+            np.testing.assert_array_equal(value, ref[name], err_msg=f"{name} on rank {rank}")

@@ -7,6 +7,8 @@
     mpirun --oversubscribe -n 4 python examples/gpt_char.py --batch 8 --zero level2   # optimizer parallel
     mpirun --oversubscribe -n 4 python examples/gpt_char.py --batch 8               # data parallel, 4 processes
     python -m minidl_parallel.run -n 4 examples/gpt_char.py --batch 8               # the same, without mpirun
+    mpirun --oversubscribe -n 2 python examples/gpt_char.py --batch 8 --pipeline 2  # 2 pipeline stages
+    mpirun --oversubscribe -n 4 python examples/gpt_char.py --batch 8 --pipeline 2 --micro-batches 4  # x 2 replicas
 
 A small decoder-only Transformer (minidl.models.gpt: token + position embeddings, pre-LayerNorm
 blocks of causal self-attention and a GELU MLP, the head tied to the embedding) learns to predict
@@ -40,6 +42,24 @@ rows of the weights and of AdamWeightDecay's state between steps (and at level2/
 its rows of the gradients), with the same losses as plain data parallelism (bit for bit with
 threads). The end (sampling and ``--save`` on rank 0) runs inside
 ``minidl_parallel.summon_full_params(net)``, which every rank enters.
+
+``--pipeline P`` (with P x D ranks) cuts the GPT by depth into P stages (MindSpore's
+``pipeline_stages``, ``cell.pipeline_stage`` and ``nn.PipelineCell``, under SEMI_AUTO_PARALLEL):
+the embeddings on stage 0, the blocks split in order over the stages, ``ln_f`` and the head on the
+last; the head is tied to the embedding table, a parameter stages 0 and P - 1 share (their
+gradients summed, as MindSpore's shared pipeline parameters). The other D ranks of the world are data
+parallel: stage s runs on ranks [s*D, (s+1)*D), replica ``rank % D`` reads its own ``--batch``
+windows, and each stage's gradients are averaged over its replicas. Each batch is cut into
+``--micro-batches M`` (default P, at least P) that flow through the stages as ``--schedule 1f1b``
+(the default) or ``gpipe`` orders them; rank 0 prints the schedule, bubble included. PipelineCell
+returns the sum of the micro-batch losses (MindSpore's); the example trains on the sum divided by
+M, so the losses, and the training, are those of one process on the same batch (equal up to float32
+rounding; ``--pipeline 1 --micro-batches M`` runs the same micro-batches one after the other, and
+``--pipeline P`` equals it). The held-out loss runs through the pipeline too. Each rank trains only
+its stage's parameters, so at the end every parameter is broadcast from its stage's first rank
+(one broadcast per parameter), and rank 0 samples and saves the whole model as without a pipeline.
+``--recompute`` works inside the stages (bit for bit); --zero, --amp and --loss-scale do not
+combine with --pipeline or --micro-batches here (refused when parsed).
 """
 import contextlib
 import argparse
@@ -119,30 +139,73 @@ def parse_args(argv=None):
     parser.add_argument("--parallel", choices=["auto", "none"], default="auto",
                         help="auto: data parallel when launched by mpirun / minidl_parallel.run or inside an "
                              "initialised world (needs minidl_parallel); none: never")
+    parser.add_argument("--pipeline", type=int, default=1,
+                        help="pipeline stages P (the world a multiple of P; the rest is data parallel); 1: none")
+    parser.add_argument("--micro-batches", type=int,
+                        help="micro-batches per step (default P, at least P); each rank's --batch is cut into them")
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b", help="the pipeline's schedule")
     args = parser.parse_args(argv)
     if args.zero_threshold < 0:
         parser.error(f"--zero-threshold must be >= 0, got {args.zero_threshold}")
-    for name in ("steps", "batch", "block", "layers", "heads", "embd", "eval_every"):
+    for name in ("steps", "batch", "block", "layers", "heads", "embd", "eval_every", "pipeline"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    check_pipeline_args(parser, args)
     return args
 
 
-def setup_parallel(mode, zero=None, threshold_kb=64):
+def check_pipeline_args(parser, args):
+    """Fills in --micro-batches and refuses what a pipeline here cannot do, naming the flag."""
+    if args.micro_batches is None:
+        args.micro_batches = args.pipeline
+    if args.micro_batches < args.pipeline:
+        parser.error(f"--micro-batches must be >= --pipeline ({args.pipeline}), as MindSpore's PipelineCell "
+                     f"requires, got {args.micro_batches}")
+    if args.batch % args.micro_batches:
+        parser.error(f"--batch {args.batch} must be a multiple of --micro-batches {args.micro_batches} "
+                     f"(each batch is cut into equal micro-batches)")
+    if args.pipeline == 1 and args.micro_batches == 1:
+        return
+    refused = [flag for flag, on in (("--zero", args.zero is not None), ("--amp", args.amp != "O0"),
+                                     ("--loss-scale", args.loss_scale != "none"),
+                                     ("--parallel none", args.parallel == "none" and args.pipeline > 1)) if on]
+    if refused:
+        parser.error(f"--pipeline {args.pipeline} --micro-batches {args.micro_batches} does not combine with "
+                     f"{', '.join(refused)} in this example (the PipelineCell trains plain float32 steps): drop "
+                     f"{'it' if len(refused) == 1 else 'them'}, or use --pipeline 1 --micro-batches 1")
+    if args.layers < args.pipeline:
+        parser.error(f"--pipeline {args.pipeline} needs at least as many --layers (blocks to cut), got {args.layers}")
+
+
+def setup_parallel(mode, zero=None, threshold_kb=64, pipeline=1, schedule="1f1b"):
     """Joins the world when launched by mpirun (mode auto) and turns on data parallelism in it, or in
-    the world already joined (run_threads), with optimizer parallelism at level ``zero``; returns
-    (rank, ranks)."""
+    the world already joined (run_threads), with optimizer parallelism at level ``zero``, or, with
+    ``pipeline`` > 1, a pipeline of that many stages; returns (rank, ranks)."""
     if mode == "none":
         return 0, 1
     try:
         import minidl_parallel as mp
         from minidl_parallel.context import launched_under_mpi
     except ImportError:
+        if pipeline > 1:
+            raise SystemExit(f"--pipeline {pipeline} needs minidl_parallel (pip install -e '.[mpi]')")
         return 0, 1
     if not mp.is_initialized():
         if not launched_under_mpi():
+            if pipeline > 1:
+                raise SystemExit(f"--pipeline {pipeline} needs {pipeline} x D processes, one per stage and replica: "
+                                 f"launch with mpirun -n {pipeline} or python -m minidl_parallel.run -n {pipeline}")
             return 0, 1
         mp.init()
+    if pipeline > 1:
+        ranks = mp.get_group_size()
+        if ranks % pipeline:
+            raise SystemExit(f"--pipeline {pipeline}: the world has {ranks} ranks, which is not a multiple of "
+                             f"{pipeline} (P stages x D data-parallel replicas)")
+        # The stages' gradients are averaged over their replicas inside the PipelineCell (gradients_mean).
+        mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.SEMI_AUTO_PARALLEL, gradients_mean=True,
+                                     pipeline_stages=pipeline, pipeline_config={"pipeline_scheduler": schedule})
+        return mp.get_rank(), ranks
     # The step cell asks the runtime for this mode's gradient reducer at its first step.
     mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL, gradients_mean=True,
                                  parameter_broadcast=True, enable_parallel_optimizer=zero is not None)
@@ -152,6 +215,33 @@ def setup_parallel(mode, zero=None, threshold_kb=64):
                                                                 "optimizer_level": zero,
                                                                 "parallel_optimizer_threshold": threshold_kb})
     return mp.get_rank(), mp.get_group_size()
+
+
+def cut_into_stages(net, stages):
+    """Sets ``pipeline_stage`` on the GPT's cells: the embeddings on stage 0, the blocks split in order
+    into runs of nearly equal length, the final LayerNorm on the last stage. The tied head (an op that
+    reads the embedding table) runs where its input lives, the last stage: the table is shared by
+    stages 0 and ``stages - 1``."""
+    net.wte.pipeline_stage = net.wpe.pipeline_stage = 0
+    for k, block in enumerate(net.blocks):
+        block.pipeline_stage = k * stages // len(net.blocks)
+    net.ln_f.pipeline_stage = stages - 1
+    if not net.tie_weights:
+        net.lm_head.pipeline_stage = stages - 1
+
+
+class MicroBatchMean(nn.Cell):
+    """The PipelineCell's loss (the sum of its micro-batch losses, MindSpore's) divided by their number:
+    the mean loss of the batch, so that the gradients, and the learning rate, are those of one step on
+    the whole batch."""
+
+    def __init__(self, pipeline):
+        super().__init__(auto_prefix=False)
+        self.pipeline = pipeline
+        self.scale = 1.0 / pipeline.micro_size
+
+    def construct(self, *inputs):
+        return self.pipeline(*inputs) * self.scale
 
 
 def whole_network(net, ranks):
@@ -170,9 +260,13 @@ def mean_over_ranks(value, ranks):
 def main(argv=None):
     """Trains and samples; returns ``{"losses": {step: (train, held-out)}, "params": {name: array}}``."""
     args = parse_args(argv)
-    rank, ranks = setup_parallel(args.parallel, args.zero, args.zero_threshold)
+    rank, ranks = setup_parallel(args.parallel, args.zero, args.zero_threshold, args.pipeline, args.schedule)
     if args.zero and ranks == 1:
         print(f"--zero {args.zero}: one process, nothing to slice over; training without it", flush=True)
+    # Data parallel replicas: every rank without a pipeline; with one, the ranks of a stage (all the
+    # stages of replica r, ranks r, r + D, ..., read the same batches).
+    replicas = ranks // args.pipeline
+    replica = rank % replicas
 
     def say(message):
         """This script's messages: once per job, from rank 0."""
@@ -191,7 +285,16 @@ def main(argv=None):
     opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=args.lr, weight_decay=0.01)
     # (the cast network shares net's parameters: the optimizer updates float32 master weights)
     cast = net if args.amp == "O0" else amp.auto_mixed_precision(net, args.amp)
-    with_loss = nn.WithLossCell(cast, NextCharLoss(vocab))
+    with_loss = evaluate = nn.WithLossCell(cast, NextCharLoss(vocab))
+    pipeline = None
+    if args.pipeline > 1 or args.micro_batches > 1:
+        from minidl_parallel.nn import PipelineCell
+        if args.pipeline > 1:
+            cut_into_stages(net, args.pipeline)
+        pipeline = PipelineCell(with_loss, args.micro_batches)
+        with_loss = MicroBatchMean(pipeline)
+        if args.pipeline > 1:  # (one process holds every parameter: it evaluates without the pipeline)
+            evaluate = with_loss
     manager = LOSS_SCALES[args.loss_scale]
     if manager is None:
         train_step = nn.TrainOneStepCell(with_loss, opt)
@@ -200,21 +303,27 @@ def main(argv=None):
         train_step = nn.TrainOneStepWithLossScaleCell(with_loss, opt, scale_sense=manager.get_update_cell())
     say(f"{len(data.train) + len(data.val)} characters, vocabulary {vocab}; "
         f"{sum(p.size for p in net.trainable_params())} parameters; ln(vocabulary) = {np.log(vocab):.2f}")
-    if ranks > 1:
+    if args.pipeline > 1:
+        say(f"pipeline of {args.pipeline} stages x {replicas} data-parallel replicas on {ranks} ranks: batch "
+            f"{args.batch} per replica, global batch {args.batch * replicas}, {args.micro_batches} micro-batches "
+            f"of {args.batch // args.micro_batches}")
+        say(str(pipeline.schedule()))
+    elif ranks > 1:
         say(f"data parallel on {ranks} ranks: batch {args.batch} per rank, global batch {args.batch * ranks}")
     train_step.set_train(True)
     losses, skipped = {}, 0
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
-        out = train_step(*data.batch("train", args.batch, args.block, rng, rank, ranks))
+        out = train_step(*data.batch("train", args.batch, args.block, rng, replica, replicas))
         loss = out if manager is None else out[0]
         skipped += manager is not None and bool(out[1])
         if step % args.eval_every == 0 or step == 1 or step == args.steps:
             net.set_train(False)
             with minidl.no_grad():
-                val = np.mean([float(with_loss(*data.batch("val", args.batch, args.block, rng, rank, ranks))
+                val = np.mean([float(evaluate(*data.batch("val", args.batch, args.block, rng, replica, replicas))
                                      .asnumpy()) for _ in range(4)])
             net.set_train(True)
+            # (with a pipeline every rank holds its replica's loss: the mean over the ranks is the replicas')
             train, val = mean_over_ranks(float(loss.asnumpy()), ranks), mean_over_ranks(val, ranks)
             losses[step] = (train, val)
             say(f"step {step:4d}  train loss {train:.3f}  held-out loss {val:.3f}  "
@@ -222,6 +331,8 @@ def main(argv=None):
     if manager is not None:
         say(f"loss scale {float(train_step.scale_sense.asnumpy().reshape(-1)[0]):g}, "
             f"{skipped} of {args.steps} steps skipped (overflow)")
+    if args.pipeline > 1:  # each rank trained its stage: the whole network on every rank, for the end
+        pipeline.gather_parameters()
     with whole_network(net, ranks):  # optimizer parallelism: every weight whole in here, on every rank
         if args.save and rank == 0:
             minidl.save_checkpoint(net, args.save)

@@ -1,5 +1,6 @@
 """The README's main example runs as a newcomer would run it (shortened); the GPT example on one process,
 thread ranks, mpirun and python -m minidl_parallel.run."""
+import functools
 import importlib.util
 import json
 import os
@@ -185,3 +186,143 @@ def test_gpt_char_under_a_launcher_trains_data_parallel_as_one_process(tmp_path,
     assert printed == [round(one["losses"][step][0], 3) for step in (1, 2, 3)]
     saved = {name: p.asnumpy() for name, p in minidl.load_checkpoint(str(save)).items()}
     _assert_same_params(saved, one["params"])
+
+
+# ---- the examples cut into pipeline stages (--pipeline P, --micro-batches M, --schedule) ---------------------
+
+# Two blocks, so that --pipeline 2 has one per stage; the head is tied to the embedding (stages 0 and 1 share it).
+GPT_TINY_2 = GPT_TINY[:GPT_TINY.index("--layers")] + ["--layers", "2"] + GPT_TINY[GPT_TINY.index("--layers") + 2:]
+# A printed loss has 3 decimals: one equal up to float32 rounding prints within half a unit of the last one.
+PRINTED_ATOL = 5e-4 + 1e-6
+
+
+def _printed_losses(out, marker):
+    return [float(line.split(marker)[1].split()[0].rstrip(",")) for line in out.splitlines() if marker in line]
+
+
+def test_gpt_char_pipeline_on_two_thread_ranks_equals_its_micro_batches_on_one_process():
+    gpt_char = _gpt_char()
+    plain = gpt_char.main(GPT_TINY_2 + ["--batch", "4"])
+    micro = gpt_char.main(GPT_TINY_2 + ["--batch", "4", "--micro-batches", "2"])
+    ranks = run_threads(2, gpt_char.main, GPT_TINY_2 + ["--batch", "4", "--pipeline", "2"])
+    # The micro-batches' mean loss is the batch's: the same training as without them, up to float32 rounding.
+    for step, (train, val) in plain["losses"].items():
+        assert micro["losses"][step] == pytest.approx((train, val), rel=GPT_LOSS_RTOL)
+    _assert_same_params(micro["params"], plain["params"])
+    # Every stage prints (rank 0) and ends with the same losses and, gathered from the stages, the whole model.
+    # (Not bit for bit: the tied table's gradient adds the embedding's and the head's parts in another order.)
+    for rank in ranks:
+        assert sorted(rank["losses"]) == [1, 2, 3]
+        for step, (train, val) in micro["losses"].items():
+            assert rank["losses"][step] == pytest.approx((train, val), rel=GPT_LOSS_RTOL)
+        _assert_same_params(rank["params"], micro["params"])
+    # --recompute re-runs each block of a stage in its backward: the same numbers, bit for bit.
+    recomputed = run_threads(2, gpt_char.main, GPT_TINY_2 + ["--batch", "4", "--pipeline", "2", "--recompute"])
+    for want, got in zip(ranks, recomputed):
+        assert got["losses"] == want["losses"]
+        for name, value in want["params"].items():
+            assert np.array_equal(got["params"][name], value), name
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pipeline", "2", "--zero", "level1"], "--pipeline 2 --micro-batches 2 does not combine with --zero"),
+    (["--pipeline", "2", "--amp", "O2", "--loss-scale", "fixed"], "does not combine with --amp, --loss-scale"),
+    (["--micro-batches", "2", "--zero", "level2"], "--pipeline 1 --micro-batches 2 does not combine with --zero"),
+    (["--pipeline", "2", "--parallel", "none"], "does not combine with --parallel none"),
+    (["--pipeline", "4", "--micro-batches", "2"], "--micro-batches must be >= --pipeline (4), as MindSpore's"),
+    (["--batch", "6", "--micro-batches", "4"], "--batch 6 must be a multiple of --micro-batches 4"),
+    (["--pipeline", "3", "--layers", "2", "--batch", "6"], "--pipeline 3 needs at least as many --layers (blocks to cut), got 2"),
+    (["--pipeline", "0"], "--pipeline must be positive, got 0"),
+])
+def test_gpt_char_refuses_pipeline_combinations_when_parsing(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        _gpt_char().parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.cpu_only  # a fresh process: it would look for the machine's own CuPy, not the device double
+def test_gpt_char_pipeline_alone_says_how_to_launch_it():
+    out = subprocess.run([sys.executable, "examples/gpt_char.py", *GPT_TINY_2, "--pipeline", "2"], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "--pipeline 2 needs 2 x D processes, one per stage and replica: launch with mpirun -n 2" in out.stderr
+
+
+def _launch(tmp_path, launcher, n, script, *argv):
+    """``script`` on n ranks started by ``launcher`` (mpirun or python -m minidl_parallel.run)."""
+    if launcher == "mpirun":
+        sys.path.insert(0, os.path.join(ROOT, "tests", "minidl_parallel"))  # as test_mpirun_example_log.py
+        from test_mpirun_training import mpirun  # its skips, root variables and one BLAS thread per rank
+        return mpirun(n, script, *argv, timeout=120)
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install 'minidl[mpi]')")
+    env = {k: v for k, v in ENV.items() if k not in ("MINIDL_DIST_DEBUG", "MINIDL_DEVICE")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "minidl_parallel.run", "-n", str(n), "--allow-run-as-root", "--timeout", "110",
+           "--log-dir", str(tmp_path / "logs"), script, *map(str, argv)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.cpu_only  # fresh processes: they would import the machine's own CuPy, not the device double
+@pytest.mark.parametrize("launcher, n", [("mpirun", 2), ("minidl_parallel.run", 2), ("mpirun", 4)])
+def test_gpt_char_pipeline_under_a_launcher_trains_as_one_process(tmp_path, launcher, n):
+    # 2 stages (x 2 data-parallel replicas at n = 4, each --batch 2 of the global 4), both schedules.
+    batch, schedule = ("4", "1f1b") if n == 2 else ("2", "gpipe")
+    save = tmp_path / "pipeline.safetensors"
+    proc = _launch(tmp_path, launcher, n, "examples/gpt_char.py", *GPT_TINY_2, "--batch", batch, "--pipeline", "2",
+                   "--schedule", schedule, "--sample", "5", "--save", save)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    replicas = n // 2
+    assert out.count(f"pipeline of 2 stages x {replicas} data-parallel replicas on {n} ranks: batch {batch} per "
+                     f"replica, global batch 4, 2 micro-batches of {int(batch) // 2}") == 1
+    assert out.count(str(_launched_schedule(schedule))) == 1  # rank 0 alone prints: each line once
+    assert out.count("train loss") == 3 and out.count("--- sample ---") == 1 and "[rank" not in out
+    one = _gpt_char().main(GPT_TINY_2 + ["--batch", "4", "--micro-batches", "2"])
+    assert _printed_losses(out, "train loss ") == pytest.approx([one["losses"][s][0] for s in (1, 2, 3)],
+                                                                abs=PRINTED_ATOL)
+    assert _printed_losses(out, "held-out loss ") == pytest.approx([one["losses"][s][1] for s in (1, 2, 3)],
+                                                                   abs=PRINTED_ATOL)
+    # The checkpoint rank 0 wrote holds every stage's trained parameters, gathered at the end.
+    saved = {name: p.asnumpy() for name, p in minidl.load_checkpoint(str(save)).items()}
+    _assert_same_params(saved, one["params"])
+
+
+def _launched_schedule(scheduler):
+    from minidl_parallel import pipeline_schedule
+    return pipeline_schedule(2, 2, scheduler)
+
+
+RESNET_TINY = ["--epochs", "1", "--num-samples", "64", "--batch-size", "16", "--device", "CPU"]
+
+
+@functools.lru_cache(maxsize=1)
+def _resnet_on_one_process_in_micro_batches():
+    """The ResNet example on one process with --micro-batches 2 (run once for both launchers)."""
+    one = subprocess.run([sys.executable, "examples/resnet_cifar.py", *RESNET_TINY, "--micro-batches", "2"], cwd=ROOT,
+                         env=ENV, capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0, one.stderr
+    return one
+
+
+@pytest.mark.cpu_only  # fresh processes: they would import the machine's own CuPy, not the device double
+@pytest.mark.parametrize("launcher", ["mpirun", "minidl_parallel.run"])
+def test_resnet_cifar_pipeline_under_a_launcher_equals_its_micro_batches_on_one_process(tmp_path, launcher):
+    proc = _launch(tmp_path, launcher, 2, "examples/resnet_cifar.py", *RESNET_TINY, "--pipeline", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.count("pipeline of 2 stages x 1 data-parallel replicas on 2 ranks: batch 16 per replica") == 1
+    assert out.count(str(_launched_schedule("1f1b"))) == 1
+    one = _resnet_on_one_process_in_micro_batches()
+    # Stage 1's BatchNorm sees the same micro-batches as one process running them in turn: the same losses,
+    # and the same accuracy of the network gathered from the stages.
+    losses = _printed_losses(out, "loss is ")
+    assert len(losses) == 4 and np.isfinite(losses).all()
+    assert losses == pytest.approx(_printed_losses(one.stdout, "loss is "), rel=1e-6)
+    accuracy = [line for line in out.splitlines() if "train accuracy:" in line]
+    assert accuracy == [line for line in one.stdout.splitlines() if "train accuracy:" in line] and len(accuracy) == 1
+
+
+def test_resnet_cifar_refuses_checkpoints_with_a_pipeline():
+    out = subprocess.run([sys.executable, "examples/resnet_cifar.py", "--pipeline", "2", "--ckpt-dir", "x"], cwd=ROOT,
+                         env=ENV, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--pipeline 2 does not combine with --ckpt-dir in this example" in out.stderr

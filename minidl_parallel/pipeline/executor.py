@@ -21,7 +21,7 @@ import numpy
 from minidl import backend
 from minidl.autograd import run_backward
 from minidl.runtime import LOCAL, mode_layer
-from minidl.tensor import Tensor
+from minidl.tensor import Tensor, is_grad_enabled
 
 from ..comm.p2p import P2POp
 from ..comm.threads import _add_note
@@ -192,8 +192,9 @@ class _StageRun:
                 raise PipelineError(f"{what} sent nothing to stage {self.stage + 1} in micro-batch {i}: no cell of a "
                                     f"later stage takes an output of stage {self.stage}")
             root = layer.outputs[0]
-        self.in_flight[i] = (root, layer.inputs[0] if layer.inputs else None)
-        self.log.peak_held = max(self.log.peak_held, len(self.in_flight))
+        if is_grad_enabled():  # (no backward follows under no_grad: nothing to hold)
+            self.in_flight[i] = (root, layer.inputs[0] if layer.inputs else None)
+            self.log.peak_held = max(self.log.peak_held, len(self.in_flight))
 
     def backward(self, action):
         root, leaf = self.in_flight.pop(action.micro)
@@ -235,7 +236,10 @@ def run_step(network, plan, schedule, comm, stage, inputs):
     micro = split_micro_batches(inputs, schedule.micro_batches)
     log = StepLog()
     run = _StageRun(network, plan, schedule, comm, stage, log)
-    for action in schedule.actions(stage):
+    actions = schedule.actions(stage)
+    if not is_grad_enabled():  # (evaluation under no_grad: the forwards alone, in the schedule's order)
+        actions = [a for a in actions if a.kind == FORWARD]
+    for action in actions:
         try:
             if action.kind == FORWARD:
                 run.forward(action, micro[action.micro])

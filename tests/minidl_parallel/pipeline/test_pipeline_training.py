@@ -233,3 +233,21 @@ def test_a_loss_scaled_step_around_a_pipeline_trains_as_one_device():
         assert all(np.array_equal(loss, want) for (loss, _), want in zip(outs, ref_losses))
         for name, value in mine.items():
             np.testing.assert_array_equal(value, ref[name], err_msg=f"{name} on rank {rank}")
+
+
+def test_under_no_grad_a_step_runs_the_forwards_only_and_returns_the_same_loss():
+    from minidl import no_grad
+    data = models.batches("mlp", 1, 8)
+    ref_losses, _ = models.reference(models.mlp, data, 4)
+
+    def body():
+        _pipeline_context(2)
+        pipe = PipelineCell(models.mlp(2), 4)
+        with no_grad():
+            loss = pipe(*data[0])
+        log = pipe.last_step
+        return (backend.to_numpy(loss.data), log.count("send", "gradient")[0] + log.count("recv", "gradient")[0],
+                log.count("send", "activation")[0] + log.count("recv", "activation")[0], log.peak_held)
+
+    for loss, gradients, activations, held in mp.run_threads(2, body, timeout=60):
+        assert np.array_equal(loss, ref_losses[0]) and (gradients, activations, held) == (0, 4, 0)

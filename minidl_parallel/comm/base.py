@@ -47,7 +47,7 @@ REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
 DEFAULT_TIMEOUT_S = 600.0  # PyTorch's NCCL default: long enough for a slow first step or checkpoint
 DEFAULT_STALL_WARNING_S = 60.0  # Horovod's stall inspector warns after 60 s
 
-__all__ = ["Communicator", "Request", "REDUCE_OPS", "CollectiveTimeout", "CollectiveStallWarning",
+__all__ = ["Communicator", "Request", "Started", "REDUCE_OPS", "CollectiveTimeout", "CollectiveStallWarning",
            "debug_enabled", "debug_level", "timeout_from_env", "stall_warning_from_env"]
 
 
@@ -130,6 +130,20 @@ class CallInfo:
         return f"{self.name} #{self.seq}({args}){phase}"
 
 
+class Started:
+    """A started message's wait function (called to complete it) with ``test()``: whether it has
+    completed, without waiting. Backends return one from ``_isend`` / ``_irecv`` when completion
+    can be asked (MPI's Test, a mailbox that holds the message)."""
+
+    __slots__ = ("_wait", "test")
+
+    def __init__(self, wait, test):
+        self._wait, self.test = wait, test
+
+    def __call__(self):
+        self._wait()
+
+
 class Request:
     """A pending non-blocking collective; ``wait()`` completes it and returns its array.
 
@@ -152,7 +166,20 @@ class Request:
             if self._finish is not None:
                 self._finish()
             self._done = True
+            self._wait_fn = self._finish = None  # (their closures hold buffers: a completed request lets go)
         return self._array
+
+    def test(self):
+        """Whether the communication has completed, without waiting (completing the request when it
+        has: the Request then holds its array no more than ``wait`` does). A backend whose wait
+        function is a :class:`Started` answers from its ``test``; a request without a wait function
+        (the threads backend's buffered sends, nccl's stream-ordered messages) has completed once
+        started. Other non-blocking collectives cannot be asked: they answer False until waited."""
+        if not self._done:
+            if self._wait_fn is not None and not (isinstance(self._wait_fn, Started) and self._wait_fn.test()):
+                return False
+            self.wait()
+        return True
 
     @property
     def done(self):

@@ -42,7 +42,7 @@ import traceback
 
 import numpy
 
-from .base import CallInfo, Communicator, _xp, user_frame
+from .base import CallInfo, Communicator, Started, _xp, user_frame
 from .p2p import Fingerprint
 
 __all__ = ["MpiCommunicator", "Watch", "Watchdog", "import_mpi", "watch", "stop_watchdog"]
@@ -442,18 +442,26 @@ class MpiCommunicator(Communicator):
         if self.debug:
             self._send_fingerprint(fingerprint, dest, tag)
         request = self.comm.Isend(_words(host), dest=dest, tag=2 * tag)
-        return lambda: self._complete(request, call)
+        return Started(lambda: self._complete(request, call), request.Test)
 
     def _irecv(self, buf, source, tag, call, fingerprint):
         host = buf if isinstance(buf, numpy.ndarray) else numpy.empty(buf.shape, dtype=buf.dtype)
         request = self.comm.Irecv(_words(host), source=source, tag=2 * tag)
+        status = self._MPI.Status()
+        arrived = [False]  # set by test or wait: MPI fills ``status`` once, when the request completes
+
+        def test():
+            if not arrived[0]:
+                arrived[0] = request.Test(status)
+            return arrived[0]
 
         def wait():
             if self.debug:
                 self._check_fingerprint(self._recv_fingerprint(source, tag, call), fingerprint, call, source)
-            status = self._MPI.Status()
             try:
-                self._complete(request, call, status)
+                if not arrived[0]:
+                    self._complete(request, call, status)
+                    arrived[0] = True
             except self._MPI.Exception as exc:  # MPI_ERR_TRUNCATE: the message is larger than buf
                 raise RuntimeError(f"minidl_parallel: rank {self.rank} of {self.size} (mpi backend): {call}: MPI "
                                    f"could not receive rank {source}'s message into {host.nbytes} bytes ({exc}); "
@@ -465,7 +473,7 @@ class MpiCommunicator(Communicator):
                                    f"MINIDL_DIST_DEBUG=1 to compare the shapes and dtypes sent")
             if host is not buf:
                 buf.set(host)
-        return wait
+        return Started(wait, test)
 
     def _split(self, ranks):
         # Create_group is collective over the new group only, so ranks outside it need not call.

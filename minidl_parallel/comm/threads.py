@@ -28,7 +28,7 @@ import warnings
 
 import numpy
 
-from .base import CollectiveStallWarning, CollectiveTimeout, Communicator
+from .base import CollectiveStallWarning, CollectiveTimeout, Communicator, Started
 
 __all__ = ["ThreadsCommunicator", "ThreadsWorld", "CollectiveAborted", "run_ranks"]
 
@@ -271,7 +271,7 @@ class ThreadsCommunicator(Communicator):
             data, sent = mailbox.take(self, call, source)
             self._check_fingerprint(sent, fingerprint, call, source)
             buf[...] = data
-        return wait
+        return Started(wait, lambda: bool(mailbox.messages))  # (only this rank takes from its mailbox)
 
     def _split(self, ranks):
         # Members meet on the same key: the ranks and how often this rank asked for them.

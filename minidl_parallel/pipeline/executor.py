@@ -103,7 +103,9 @@ class _Messages:
         requests = self._start(self._pending + [(P2POp("recv", buf, peer, tag),
                                                  _label(action, f"the {payload} from stage {peer}"))])
         self._pending = []
-        self._started += requests[:-1]
+        # Sends that have completed let go of their arrays now, not at the step's end: a stage of 1F1B
+        # would otherwise hold every activation it sent (m of them) after their backwards freed them.
+        self._started = [r for r in self._started if not r.test()] + requests[:-1]
         requests[-1].wait()
         self.record.append(MessageRecord(action, "recv", peer, payload, int(buf.nbytes)))
         return buf

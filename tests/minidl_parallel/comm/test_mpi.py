@@ -570,9 +570,19 @@ def test_a_world_of_one_sends_itself_messages_in_order_per_tag(world, monkeypatc
     np.testing.assert_array_equal(b.wait(), second)
     np.testing.assert_array_equal(half, [3, 4])
     for request in sent:
-        request.wait()
+        deadline = time.monotonic() + 10
+        while not request.test():  # MPI's Test: each send completes once its receive has the data
+            assert time.monotonic() < deadline, "a send to this rank, received, never completed"
+        assert request.done
+    later = world.irecv(np.empty(1), 0, tag=3)
+    assert not later.test() and not later.done  # nothing sent with tag 3 yet
+    world.send(np.ones(1), 0, tag=3)
+    deadline = time.monotonic() + 10
+    while not later.test():
+        assert time.monotonic() < deadline, "a receive whose message was sent never completed"
+    assert later.wait()[0] == 1.0
     assert (world.sent_messages, world.sent_bytes, world.received_messages, world.received_bytes) == \
-        (3, 48 + 16 + 4, 3, 48 + 16 + 4)
+        (4, 48 + 16 + 4 + 8, 4, 48 + 16 + 4 + 8)
 
 
 @pytest.mark.parametrize("debug, sent, into, problem", [

@@ -287,3 +287,34 @@ def test_a_world_of_one_receives_what_it_sent_itself_and_says_when_nothing_was_s
     comm.send(np.ones(2), 0)
     with pytest.raises(RuntimeError, match=re.escape("rank 0's send #1 (shape=(2,), dtype=float64) does not match")):
         comm.recv(np.empty(3), 0)
+
+
+def test_a_request_says_whether_its_message_completed_without_waiting():
+    def body():
+        comm = mp.get_communicator()
+        if comm.rank == 0:
+            sent = comm.isend(np.arange(3.0), 1)
+            done_at_once = sent.test() and sent.done  # buffered: complete once started
+            comm.barrier()  # rank 1 tests its receive before this send exists...
+            comm.send(np.arange(3.0), 1, tag=1)
+            comm.barrier()
+            return done_at_once
+        first = comm.recv(np.empty(3), 0)
+        pending = comm.irecv(np.zeros(3), 0, tag=1)
+        before = pending.test()  # ...and finds nothing yet
+        comm.barrier()
+        comm.barrier()
+        deadline = time.monotonic() + 5
+        while not pending.test() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return before, pending.done, pending.wait(), first
+
+    done_at_once, (before, done, got, first) = run(2, body)
+    assert done_at_once and not before and done
+    np.testing.assert_array_equal(got, np.arange(3.0))
+    np.testing.assert_array_equal(first, np.arange(3.0))
+    comm = create_communicator("local")
+    pending = comm.irecv(np.empty(1), 0)
+    assert not pending.test() and not pending.done
+    comm.send(np.ones(1), 0)
+    assert pending.test() and pending.wait()[0] == 1.0

@@ -14,6 +14,10 @@ The setting holds one dict, replaced and never changed in place, so copies of th
 __all__ = ["DEFAULTS", "PIPELINE_MODES", "check_stages", "checked", "resolved", "layout"]
 
 DEFAULTS = {"pipeline_interleave": False, "pipeline_scheduler": "1f1b"}
+# MindSpore's spelling, lowercase only: set_auto_parallel_context(pipeline_config=...) refuses "1F1B".
+# Here, not in pipeline/schedules.py (which imports it): context.py imports this module, and the
+# pipeline package imports context.py.
+SCHEDULERS = ("1f1b", "gpipe")
 # The modes in which MindSpore runs a pipeline: SEMI_AUTO_PARALLEL and AUTO_PARALLEL. These are the
 # values of context.ParallelMode, written out here because this file must not import context.py
 # (context.py imports this file).
@@ -41,10 +45,6 @@ def checked(value):
     left out: it means False, the only value minidl accepts. So every accepted value is a whole
     config, and nothing of the previous one is kept.
     """
-    # Imported here, not at the top: context.py imports this module while minidl_parallel loads, and
-    # importing the pipeline package then would run its __init__, whose modules read the context,
-    # before context.py is complete. By the time a setting is made, everything is loaded.
-    from .pipeline.schedules import SCHEDULERS
     who = f"{_WHO}: pipeline_config"
     if not isinstance(value, dict):
         raise TypeError(f"{who} must be a dict with keys {tuple(DEFAULTS)}, e.g. {DEFAULTS}, "

@@ -27,10 +27,10 @@ both; 1F1B saves memory, not time. ``timeline()`` simulates this and ``str(sched
 from fractions import Fraction
 from typing import NamedTuple
 
+from ..pipeline_config import SCHEDULERS
+
 __all__ = ["Action", "Message", "Schedule", "pipeline_schedule", "SCHEDULERS"]
 
-# MindSpore's spelling, lowercase only: set_auto_parallel_context(pipeline_config=...) refuses "1F1B".
-SCHEDULERS = ("1f1b", "gpipe")
 # MindSpore 2.10 also names these; minidl builds none of them, and says so rather than "unknown".
 _MINDSPORE_ONLY_SCHEDULERS = ("seqpipe", "seqvpp", "seqsmartvpp", "zero_bubble_v")
 

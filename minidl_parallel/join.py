@@ -27,7 +27,9 @@ With ``gradients_mean`` the divisor stays the world size (as DDP's default): a s
 only k of n ranks had data adds the k ranks' gradients and divides by n, the zeros of the
 finished ranks averaged in. Pass ``mean=False`` and scale yourself for another divisor.
 
-Only the gradient all-reduce is shadowed. Other collectives of a step cannot be: SyncBatchNorm
+Only the reducer's collectives are shadowed: its reduction, and a reducer's own gathers of the
+step (``shadow_step``: optimizer parallelism's level3 replays each cell's gathers as the rank's own
+last step made them). Other collectives of a step cannot be: SyncBatchNorm
 statistics, tensor-parallel operators, a metric or checkpoint decision taken inside the step
 (``ModelCheckpoint(save_checkpoint_seconds=...)``) would meet a finished rank's vote instead,
 so they are not supported inside a join block. Step callbacks run only on the ranks that ran
@@ -88,6 +90,9 @@ class Join:
                 return
             reducer._vote_before_reducing = False
             try:
+                shadow = getattr(reducer, "shadow_step", None)
+                if shadow is not None:  # (a reducer whose step has more collectives than its reduction)
+                    shadow()
                 grads = reducer(zeros)
             finally:
                 reducer._vote_before_reducing = True

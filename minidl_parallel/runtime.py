@@ -87,7 +87,7 @@ class ParallelRuntime(Runtime):
             # (Only trainable weights: a reduced gradient's slice, clip_by_global_norm's input, stays one.)
             sliced = [a for a in args if type(a) is Parameter and a.requires_grad and slices.is_sliced(a)]
             if sliced:  # a weight read outside the cell that owns it (a tied head at level3): whole for this op
-                return level3.with_whole(sliced, run, (prim, args))
+                return level3.with_whole(sliced, run, (prim, args), self._slicing)
         return run(prim, args)
 
     def call_cell(self, cell, args, kwargs):
@@ -97,7 +97,7 @@ class ParallelRuntime(Runtime):
         if any(reducer.level == "level3" for reducer in self._slicing):
             if run is dispatch.run_cell and dispatch.outermost():
                 return run(cell, args, kwargs)  # (the dispatcher's outermost call: inputs tagged, outputs whole)
-            return level3.call_cell(cell, args, kwargs)
+            return level3.call_cell(cell, args, kwargs, self._slicing)
         depth = getattr(self._cell_depth, "value", 0)
         if depth == 0:  # the outermost call: sliced weights become whole for this step's forward and backward
             for reducer in list(self._slicing):

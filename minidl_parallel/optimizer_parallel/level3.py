@@ -31,8 +31,14 @@ def _own_sliced(cell):
 
 
 @contextlib.contextmanager
-def _gathered(params):
-    """The params whole inside the block, their slices back (the same arrays) after it."""
+def _gathered(params, reducer=None):
+    """The params whole inside the block, their slices back (the same arrays) after it.
+
+    In a join block (uneven inputs) ``reducer``, the level3 reducer of these parameters, votes
+    before the step's first gather and records every gather of the step, which a rank whose data
+    ended replays with its slices (``OptimizerParallelReducer.shadow_step``)."""
+    if reducer is not None:
+        reducer.before_gather(params)
     placements = [p.placement for p in params]
     kept = [p.data for p in params]
     for p, s, array in zip(params, placements, slices.gather_into(params, placements, phase="weights")):
@@ -46,17 +52,23 @@ def _gathered(params):
             p.placement = s
 
 
-def with_whole(params, fn, args):
+def _owner(params, reducers):
+    """The level3 reducer among ``reducers`` that slices ``params`` (None: no join block needs it)."""
+    return next((r for r in reducers if r.level == "level3" and r.owns(params[0])), None)
+
+
+def with_whole(params, fn, args, reducers=()):
     """``fn(*args)`` with the sliced ``params`` whole while it runs."""
-    with _gathered(params):
+    with _gathered(params, _owner(params, reducers)):
         return fn(*args)
 
 
-def call_cell(cell, args, kwargs):
+def call_cell(cell, args, kwargs, reducers=()):
     """Runs ``cell`` with its sliced weights gathered for its forward and again for its backward."""
     own = _own_sliced(cell)
     if not own:
         return cell.construct(*args, **kwargs)
+    reducer = _owner(own, reducers)
     # (The weights go back to their rows before the re-run's backward: its ops read the arrays they
     # saved, and autograd takes a sliced weight's whole, or block-shaped, gradient.)
-    return run_recomputed(cell, args, kwargs, lambda: (_gathered(own), _gathered(own)))
+    return run_recomputed(cell, args, kwargs, lambda: (_gathered(own, reducer), _gathered(own, reducer)))

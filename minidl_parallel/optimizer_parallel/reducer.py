@@ -99,6 +99,10 @@ class OptimizerParallelReducer:
         self._joined = None
         self._vote_before_reducing = True
         self._voted = False
+        # level3 in a join block: this step's gathers (lists of parameters, in order) and the last
+        # whole step's, which a rank whose data ended replays with its slices.
+        self._gathers, self._last_gathers = [], None
+        self._ids = None
         self._pending = None  # (nothing is ever in flight between calls: the join block checks it)
 
     @property
@@ -219,9 +223,13 @@ class OptimizerParallelReducer:
         self.plan()
         if self._joined is not None:
             if not self._vote_before_reducing:  # shadowing a step: the others gathered the weights for it
-                self.gather_weights()
+                if self.level != "level3":  # (level3's gathers were each cell's: shadow_step replayed them)
+                    self.gather_weights()
             elif not self._voted:
                 count_ranks_with_data(self.comm, True)
+                self._gathers = []
+            if self._vote_before_reducing:  # a step this rank ran: its gathers, for the steps it may shadow
+                self._last_gathers = self._gathers
         self._voted = False
         self._scattered_not_finite = 0.0
         self._calls += 1
@@ -392,17 +400,45 @@ class OptimizerParallelReducer:
         whole = [t for t in tensors if not slices.is_sliced(t)]
         return broadcast_tensors(whole, root, self.comm, self.fusion_bytes, f"{_WHO}.broadcast_parameters")
 
+    def owns(self, param):
+        """Whether ``param`` is one of this reducer's parameters."""
+        if self._ids is None:
+            self._ids = {id(p) for p in self.parameters}
+        return id(param) in self._ids
+
+    def before_gather(self, params):
+        """level3, before a cell's (or an op's) gather: in a join block the step's vote comes first,
+        then the gather is recorded for ranks that shadow this step."""
+        if self._joined is None or not self._vote_before_reducing:
+            return
+        if not self._voted:
+            count_ranks_with_data(self.comm, True)
+            self._voted = True
+            self._gathers = []
+        self._gathers.append(list(params))
+
+    def shadow_step(self):
+        """A rank whose data ended takes part in a step of the others: at level3, their gathers (its
+        last step's, replayed with its slices); the reduction follows (``__call__`` with no gradients)."""
+        if self.level != "level3":
+            return
+        if self._last_gathers is None:
+            raise RuntimeError(f"{_WHO}: rank {self.comm.rank} has no data for its first step inside a join block "
+                               f"at optimizer_level 'level3': a rank shadows the others' per-cell gathers as its own "
+                               f"last step made them, so every rank must run one step; give it a batch, or use level1 "
+                               f"or level2")
+        for params in self._last_gathers:
+            slices.gather_into(params, [p.placement for p in params], phase="weights")
+
     def agree_on_parameters(self):
         """Checks (once per communicator) that every rank slices the same parameters alike (collective)."""
         self.plan()
 
     def join(self, optimizer=None):
         """A join block for uneven inputs (minidl_parallel/join.py): a rank out of data shadows each
-        step's vote, the weights' gather and the reduction, then updates with ``optimizer``."""
-        if self.level == "level3":
-            raise NotImplementedError(f"{_WHO}: uneven inputs (a join block, Model.train(uneven_inputs=True)) at "
-                                      f"optimizer_level 'level3' are not built: a rank without data cannot take part "
-                                      f"in each cell's gathers; use level1 or level2")
+        step's vote, the weights' gathers and the reduction, then updates with ``optimizer``. At
+        level3 the gathers are each cell's, in forward and backward: a rank shadows them as its own
+        last step made them (so a rank must run a step before its data ends)."""
         if self.backward_passes_per_step > 1:
             raise RuntimeError(f"{_WHO}: backward_passes_per_step={self.backward_passes_per_step} inside a join block "
                                f"is not supported: a finished rank cannot tell which calls its peers reduce")

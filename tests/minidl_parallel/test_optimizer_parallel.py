@@ -372,7 +372,7 @@ def _uneven_run(zero, level, threshold=0, **more):
         {name: _whole(b) for name, b in opt.parameters_and_names()}
 
 
-@pytest.mark.parametrize("level", ["level1", "level2"])
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
 def test_uneven_inputs_equal_plain_data_parallel_with_them(level):
     plain = run_threads(2, _uneven_run, False, level)
     sliced = run_threads(2, _uneven_run, True, level)
@@ -385,9 +385,37 @@ def test_uneven_inputs_equal_plain_data_parallel_with_them(level):
         np.testing.assert_array_equal(sliced[0][0][name], sliced[1][0][name])
 
 
-def test_uneven_inputs_refuse_level3():
-    with pytest.raises(NotImplementedError, match="uneven inputs .* at optimizer_level 'level3'"):
-        run_threads(2, _uneven_run, True, "level3")
+def test_at_level3_a_rank_shadows_the_others_per_cell_gathers_as_its_last_step_made_them():
+    """Rank 1's data ends after 2 of rank 0's 4 steps: its shadowed steps replay each cell's gathers
+    (forward and backward), so the two ranks' collectives pair up, counted per rank."""
+    from minidl_parallel.tensor_parallel import CommCounter
+
+    def body():
+        with CommCounter() as counted:
+            _uneven_run(True, "level3")
+        return counted.count("allgather")
+
+    gathers = run_threads(2, body)
+    assert gathers[0] == gathers[1] > 0
+
+
+def test_at_level3_a_rank_without_a_step_of_its_own_cannot_shadow_and_says_so():
+    def rank_body():
+        _context(True, level="level3", threshold=0)
+        minidl.set_seed(0)
+        net = _net((3, 5, 2))
+        opt = nn.Adam(net.trainable_params(), 0.01)
+        reducer = get_runtime().grad_reducer(opt.parameters)
+        grad_fn = minidl.value_and_grad(lambda x, y: nn.MSELoss()(net(x), y), None, opt.parameters)
+        x, y = Tensor(np.ones((2, 3))), Tensor(np.ones((2, 2)))
+        with reducer.join(opt):
+            if mp.get_rank() == 0:
+                _, grads = grad_fn(x, y)
+                opt(reducer(grads))
+
+    with pytest.raises(RuntimeError, match=re.escape(
+            "rank 1 has no data for its first step inside a join block at optimizer_level 'level3'")):
+        run_threads(2, rank_body)
 
 
 # ---- the property: models, sizes, steps drawn by hypothesis ----------------------------------

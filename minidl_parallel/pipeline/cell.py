@@ -130,8 +130,8 @@ class PipelineCell(Cell):
         if len(stage_ranks) > 1:  # data parallel replicas of the stage: their gradients are reduced over them
             _reduce_over_replicas(self._group(world, stage_ranks), params, sums,
                                   context.current_world().settings["gradients_mean"])
-        if params:  # (the loss that came from the last stage, on this stage's device)
-            loss = backend.to_device(loss, backend.get_array_module(params[0].data))
+        # (the loss that came from the last stage, on this stage's device)
+        loss = backend.to_device(loss, backend.get_array_module(params[0].data) if params else backend.default_xp())
         return _StepGradients(loss, [sums.get(id(p)) for p in params]).apply(*params)
 
     def _accumulate(self, inputs):

@@ -149,7 +149,8 @@ class _StageRun:
         self.log = log
         self.messages = _Messages(comm, log.messages)
         self.params = plan.parameters[stage]
-        self.xp = backend.get_array_module(self.params[0].data) if self.params else numpy
+        # (a stage without parameters, a ReLU cell, receives onto the context's device)
+        self.xp = backend.get_array_module(self.params[0].data) if self.params else backend.default_xp()
         self.in_flight = {}  # micro-batch -> (its root: output sent or loss, its input leaf or None)
         self.sums = {}  # id(parameter) -> its gradient summed over the micro-batches so far
         self.loss = None  # the last stage's sum of the micro-batch losses

@@ -27,6 +27,7 @@ from minidl_parallel.buckets import DEFAULT_FUSION_BYTES
 from minidl_parallel.optimizer_parallel import slices
 from minidl_parallel.optimizer_parallel.reducer import OptimizerParallelReducer
 from minidl_parallel.optimizer_parallel.slices import OptimizerSlice
+from minidl_parallel.tensor_parallel import CommCounter
 
 F64 = minidl.float64
 OPTIMIZERS = {
@@ -385,18 +386,63 @@ def test_uneven_inputs_equal_plain_data_parallel_with_them(level):
         np.testing.assert_array_equal(sliced[0][0][name], sliced[1][0][name])
 
 
+def _step_at_level3():
+    _context(True, level="level3", threshold=0)
+    minidl.set_seed(0)
+    net = _net((3, 5, 2))
+    step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.Adam(net.trainable_params(), 0.01))
+    step(Tensor(np.ones((2, 3))), Tensor(np.zeros((2, 2))))
+
+
 def test_at_level3_a_rank_shadows_the_others_per_cell_gathers_as_its_last_step_made_them():
     """Rank 1's data ends after 2 of rank 0's 4 steps: its shadowed steps replay each cell's gathers
     (forward and backward), so the two ranks' collectives pair up, counted per rank."""
-    from minidl_parallel.tensor_parallel import CommCounter
-
     def body():
         with CommCounter() as counted:
             _uneven_run(True, "level3")
-        return counted.count("allgather")
+        return counted.count("allgather", phase="weights")
 
     gathers = run_threads(2, body)
     assert gathers[0] == gathers[1] > 0
+
+
+def test_at_level3_a_rank_shadows_a_weight_gathered_for_one_op_and_steps_that_gathered_nothing():
+    """The tied head's table is gathered for that op alone (with_whole): a shadowing rank replays that
+    gather too. Above the threshold nothing is sliced: the steps gather nothing, and shadow nothing."""
+    tokens = np.array([1, 2, 6, 0, 5, 3, 4, 1, 2, 2, 3, 6], dtype=np.int32)
+    labels = np.random.default_rng(0).standard_normal((12, 7))
+
+    def body(on, threshold):
+        def rank_body():
+            _context(on, level="level3", threshold=threshold)
+            minidl.set_seed(0)
+            net = _TiedHead()
+            opt = nn.Adam(net.trainable_params(), 0.01)
+            rank = mp.get_rank()
+            rows = 8 if rank == 0 else 4  # rank 0: 4 steps of 2 rows, rank 1: 2
+            ds = NumpySlicesDataset({"x": tokens[rank * 8:rank * 8 + rows], "y": labels[rank * 8:rank * 8 + rows]},
+                                    shuffle=False).batch(2)
+            with CommCounter() as counted:
+                Model(net, nn.MSELoss(), opt).train(1, ds, progress=False, uneven_inputs=True)
+            return {name: _whole(p) for name, p in net.parameters_and_names()}, counted.count("allgather",
+                                                                                                phase="weights")
+        return rank_body
+
+    plain = run_threads(2, body(False, 0))
+    for threshold, gathered in ((0, True), (10**6, False)):
+        sliced = run_threads(2, body(True, threshold))
+        assert sliced[0][1] == sliced[1][1] and (sliced[0][1] > 0) == gathered  # every gather paired
+        for (want, _), (got, _) in zip(plain, sliced):
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_outside_a_join_block_no_step_votes(monkeypatch):
+    from minidl_parallel.optimizer_parallel import reducer as reducer_module
+    votes = []
+    monkeypatch.setattr(reducer_module, "count_ranks_with_data", lambda comm, has: votes.append(has) or comm.size)
+    run_threads(2, _step_at_level3)
+    assert votes == []
 
 
 def test_at_level3_a_rank_without_a_step_of_its_own_cannot_shadow_and_says_so():

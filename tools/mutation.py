@@ -72,11 +72,11 @@ TARGETS = {
     # and the communicators' point-to-point messages; not the mpirun tests (subprocesses: "no tests")
     "pipeline": (["minidl_parallel/pipeline", "minidl_parallel/pipeline_config.py"],
                  [f"tests/minidl_parallel/pipeline/test_{t}.py" for t in (
-                     "schedules", "pipeline_equivalence", "pipeline_errors", "pipeline_training")]
+                     "schedules", "pipeline_equivalence", "pipeline_errors", "pipeline_training", "pipeline_details")]
                  + ["tests/minidl_parallel/test_pipeline_context.py"]),
     "p2p": (["minidl_parallel/comm/p2p.py"],
-            ["tests/minidl_parallel/comm/test_p2p.py", "tests/minidl_parallel/comm/test_nccl_backend.py",
-             "tests/minidl_parallel/comm/test_mpi.py"]),
+            ["tests/minidl_parallel/comm/test_p2p.py", "tests/minidl_parallel/comm/test_p2p_details.py",
+             "tests/minidl_parallel/comm/test_nccl_backend.py", "tests/minidl_parallel/comm/test_mpi.py"]),
     "mnist": (["minidl/dataset/mnist.py"], ["tests/minidl/dataset/test_mnist.py"]),
     "callbacks": (["minidl/train/callbacks.py"], ["tests/minidl/train/test_callbacks.py"]),
     "intra_op": (["minidl/kernels/cpu/threads.py", "minidl/kernels/cpu/thread_count.py"],

@@ -14,13 +14,15 @@ get no gradient on this rank.
 With ``pipeline_stages`` 1 the micro-batches run one after the other on this rank: the same sum,
 by plain gradient accumulation.
 """
+import numpy
+
 from minidl import backend
 from minidl.nn import Cell
 from minidl.ops.primitive import Primitive
 
 from .. import context
 from ..comm.p2p import P2POp
-from .executor import run_step
+from .executor import DTYPES, dtype_named, run_step, split_micro_batches
 from .schedules import pipeline_schedule
 from .stage_forward import PipelineError
 from .stages import StagePlan
@@ -135,7 +137,6 @@ class PipelineCell(Cell):
         return _StepGradients(loss, [sums.get(id(p)) for p in params]).apply(*params)
 
     def _accumulate(self, inputs):
-        from .executor import split_micro_batches
         total = None
         for micro in split_micro_batches(inputs, self.micro_size):
             loss = self.network(*micro)
@@ -212,15 +213,12 @@ def _reduce_over_replicas(comm, params, sums, mean):
 
 
 def _from_last_stage(comm, loss, last):
-    """The last stage's loss on every stage of the pipeline (one broadcast of its value and dtype)."""
-    import numpy
+    """The last stage's loss on every stage of the pipeline (one broadcast of its value and dtype:
+    every dtype an activation may have, bfloat16 included, holds exactly in float64)."""
     carrier = numpy.zeros(2)
     if loss is not None:
-        carrier[0], carrier[1] = float(loss), _LOSS_DTYPES.index(str(loss.dtype))
+        carrier[0], carrier[1] = float(loss), DTYPES.index(str(loss.dtype))
     carrier = comm.broadcast(carrier, root=last)
     if loss is not None:
         return loss
-    return numpy.asarray(carrier[0], dtype=_LOSS_DTYPES[int(carrier[1])])
-
-
-_LOSS_DTYPES = ("float32", "float64", "float16")
+    return numpy.asarray(carrier[0], dtype=dtype_named(DTYPES[int(carrier[1])]))

@@ -31,7 +31,7 @@ from .stage_forward import PipelineError, StageForward, check_one_activation
 __all__ = ["run_step", "split_micro_batches", "MessageRecord", "StepLog"]
 
 ACTIVATION_TAG, HEADER_TAG, GRADIENT_TAG = 1, 2, 3
-_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "int16", "bool")
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "int16", "bool")
 _MAX_NDIM = 8
 
 
@@ -124,16 +124,16 @@ def _label(action, what):
 
 
 def _header(array):
-    if array.ndim > _MAX_NDIM or str(array.dtype) not in _DTYPES:
+    if array.ndim > _MAX_NDIM or str(array.dtype) not in DTYPES:
         raise PipelineError(f"an activation of shape {tuple(array.shape)} and dtype {array.dtype} cannot cross a stage "
-                            f"boundary: at most {_MAX_NDIM} dimensions, dtypes {_DTYPES}")
+                            f"boundary: at most {_MAX_NDIM} dimensions, dtypes {DTYPES}")
     header = numpy.zeros(2 + _MAX_NDIM, dtype=numpy.int64)
-    header[0], header[1] = _DTYPES.index(str(array.dtype)), array.ndim
+    header[0], header[1] = DTYPES.index(str(array.dtype)), array.ndim
     header[2:2 + array.ndim] = array.shape
     return header
 
 
-def _dtype(name):
+def dtype_named(name):
     if name == "bfloat16":
         import ml_dtypes
         return numpy.dtype(ml_dtypes.bfloat16)
@@ -162,7 +162,7 @@ class _StageRun:
             header = self.messages.recv(numpy.empty(2 + _MAX_NDIM, numpy.int64), from_stage, HEADER_TAG, action,
                                         "header")
             shape = tuple(int(d) for d in header[2:2 + int(header[1])])
-            buf = self.xp.empty(shape, dtype=_dtype(_DTYPES[int(header[0])]))
+            buf = self.xp.empty(shape, dtype=dtype_named(DTYPES[int(header[0])]))
             self.messages.recv(buf, from_stage, ACTIVATION_TAG, action, "activation")
             return Tensor(buf, requires_grad=True)
 

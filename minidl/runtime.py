@@ -154,6 +154,24 @@ class Runtime:
         """
         return False
 
+    # ---- checkpoints --------------------------------------------------------------------------
+
+    def checkpoint_segment(self, network):
+        """What of ``network`` this rank's training checkpoint leaves out, or None to save it all.
+
+        Asked by ``ModelCheckpoint`` and ``save_train_state`` (and ``restore_train_state``, to know
+        what a file of this rank must hold). A runtime whose ranks hold stale copies of parameters
+        that other ranks train (a pipeline's other stages) answers an object with ``stale``, the ids
+        of those parameters (left out, and their optimizer state too), and ``metadata``, a dict of
+        str -> int/str recording the layout in the file. The single-device runtime saves everything.
+        """
+        return None
+
+    def reports_loss(self):
+        """Whether this rank prints the training loss (LossMonitor): every rank has its own, except that
+        the stages of a pipeline share their last stage's, which one stage prints."""
+        return True
+
     # ---- installing ---------------------------------------------------------------------------
 
     def __enter__(self):
@@ -208,7 +226,8 @@ def _passed_to_inner(name):
 
 
 for _name in ("rank", "group_size", "call_op", "call_cell", "grad_reducer", "full_value", "local_value",
-              "follow", "sum_over_slices", "sum_over_ranks", "agree", "gather", "trains_in_lockstep"):
+              "follow", "sum_over_slices", "sum_over_ranks", "agree", "gather", "trains_in_lockstep",
+              "checkpoint_segment", "reports_loss"):
     setattr(Layered, _name, _passed_to_inner(_name))
 
 class _ThreadState(threading.local):

@@ -28,6 +28,7 @@ from .tensor_parallel import (Layout, CommCounter, explain, StrategyError, NoRul
                               get_layout)
 from .optimizer_parallel.full_params import summon_full_params
 from .pipeline import pipeline_schedule
+from .pipeline.checkpoint import load_segmented_checkpoints
 from . import ops, nn
 
 __all__ = ["init", "release", "run_threads", "spawn", "SpawnError", "get_rank", "get_group_size", "get_local_rank", "get_local_rank_size",
@@ -36,4 +37,5 @@ __all__ = ["init", "release", "run_threads", "spawn", "SpawnError", "get_rank", 
            "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "Average", "Sum", "Adasum",
            "Join", "join",
            "AllReduce", "AllGather", "ReduceScatter", "Broadcast", "SyncBatchNorm", "Layout", "CommCounter", "explain",
-           "StrategyError", "NoRuleError", "redistribute", "full_value", "get_layout", "summon_full_params", "pipeline_schedule", "ops", "nn"]
+           "StrategyError", "NoRuleError", "redistribute", "full_value", "get_layout", "summon_full_params", "pipeline_schedule",
+           "load_segmented_checkpoints", "ops", "nn"]

@@ -28,6 +28,7 @@ from . import context
 from .grad_reducer import DistributedGradReducer
 from .optimizer_parallel import level3, slices
 from .optimizer_parallel.reducer import OptimizerParallelReducer
+from .pipeline_groups import stage_group
 from .tensor_parallel import dispatch, parameters
 
 __all__ = ["ParallelRuntime"]
@@ -70,8 +71,8 @@ class ParallelRuntime(Runtime):
 
     def _tensor_parallel(self):
         settings = self.world.settings
-        # A pipeline places its own work, stage by stage (minidl_parallel/pipeline): the dispatcher,
-        # whose world is every rank, stays out of it (tensor parallelism inside a stage is not built yet).
+        # A pipeline places its own work, stage by stage (minidl_parallel/pipeline), and runs the
+        # dispatcher itself inside each stage, over the stage's ranks (pipeline/stage_cut.py).
         return (settings["parallel_mode"] in (context.ParallelMode.SEMI_AUTO_PARALLEL, context.ParallelMode.AUTO_PARALLEL)
                 and settings["pipeline_stages"] == 1)
 
@@ -138,7 +139,9 @@ class ParallelRuntime(Runtime):
             if inner is None:
                 return array
             tensor = _holding(array, inner)
-        return parameters.whole(tensor, self.world.comm, dispatch.groups())
+        if tensor.placement is None:
+            return tensor.data
+        return parameters.whole(tensor, self._cut_over(), dispatch.groups())
 
     def local_value(self, tensor, value):
         if slices.is_sliced(tensor):
@@ -146,12 +149,20 @@ class ParallelRuntime(Runtime):
             if inner is not None:  # the whole value's tensor-parallel block first, then its rows
                 value = parameters.block_of(_holding(tensor.data, inner), value, self.world.comm.rank)
             return slices.block_of(tensor, value)
-        return parameters.block_of(tensor, value, self.world.comm.rank)
+        if tensor.placement is None:
+            return value
+        return parameters.block_of(tensor, value, self._cut_over().rank)
 
     def follow(self, param, buffer):
         if slices.is_sliced(param):
             return slices.follow(param, buffer, self.world.comm.rank)
-        return parameters.follow(param, buffer, self.world.comm.rank)
+        return parameters.follow(param, buffer, self._cut_over().rank)
+
+    def _cut_over(self):
+        """The ranks a tensor-parallel block's layout spans: the world, or under a pipeline the stage's
+        ranks (a stage's cells are cut over its own group)."""
+        stages = self.world.settings["pipeline_stages"]
+        return self.world.comm if stages == 1 else stage_group(self.world.comm, stages)[1]
 
     def sum_over_slices(self, tensors, partials, who):
         sliced = [i for i, t in enumerate(tensors) if slices.is_sliced(t)]
@@ -183,9 +194,28 @@ class ParallelRuntime(Runtime):
     def gather(self, value):
         return list(self.world.comm.allgather_object(value))
 
+    def reports_loss(self):
+        # The stages of one pipeline report the same loss (the last stage's): the first stage's ranks print
+        # it, ranks 0..k-1, so the lines are those of k data-parallel replicas.
+        stages = self.world.settings["pipeline_stages"]
+        return stages == 1 or context.stage_layout(self.world.comm.size, self.world.comm.rank, stages)[0] == 0
+
     def trains_in_lockstep(self):
         return self.world.comm.size > 1 and self.world.settings["parallel_mode"] != context.ParallelMode.STAND_ALONE
 
     def __repr__(self):
         return (f"<ParallelRuntime {self.world.backend}: rank {self.rank()} of {self.group_size()}, "
                 f"{self.world.settings['parallel_mode']}>")
+
+    def checkpoint_segment(self, network):
+        # Under a pipeline this rank's copies of the other stages' parameters are stale: its file holds
+        # its stage's part (minidl_parallel/pipeline/checkpoint.py). pipeline_stages is inert in the
+        # modes that run no pipeline, so a checkpoint there holds everything, as before.
+        settings = self.world.settings
+        stages = settings["pipeline_stages"]
+        if stages == 1 or settings["parallel_mode"] not in (context.ParallelMode.SEMI_AUTO_PARALLEL,
+                                                             context.ParallelMode.AUTO_PARALLEL):
+            return None
+        from .pipeline.checkpoint import stage_segment  # (at use: only pipelined runs need it)
+        stage, _, _ = context.stage_layout(self.world.comm.size, self.world.comm.rank, stages)
+        return stage_segment(network, stages, stage)

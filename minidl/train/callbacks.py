@@ -324,8 +324,9 @@ class LossMonitor(Callback):
                              f"Invalid loss {str(loss)}, terminating training.{hint}")
         if self._per_print_times and cb_params.cur_step_num - self._last_print_time >= self._per_print_times:
             self._last_print_time = cb_params.cur_step_num
-            _print_line(f"epoch: {cb_params.cur_epoch_num} step: {cur_step_in_epoch}, loss is {str(loss)}",
-                        self.rank0_only)
+            if get_runtime().reports_loss():  # (a pipeline's stages share one loss: one of them prints it)
+                _print_line(f"epoch: {cb_params.cur_epoch_num} step: {cur_step_in_epoch}, loss is {str(loss)}",
+                            self.rank0_only)
 
     def on_train_epoch_end(self, run_context):
         cb_params = run_context.original_args()

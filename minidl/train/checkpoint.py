@@ -39,6 +39,13 @@ others.
 A save is skipped, with a warning, when a parameter or optimizer state is NaN or inf (on
 any rank of those that save together): older, finite checkpoints are kept instead of being
 pruned in favour of a diverged one.
+
+Under a pipeline (``pipeline_stages`` > 1) a rank's copies of the other stages' parameters are
+stale between steps, so its file holds its stage's part (parameters, their optimizer state, the
+BatchNorm statistics of its cells) and records which (``pipeline_stages``, ``pipeline_stage``,
+``pipeline_network``): the runtime's ``checkpoint_segment`` says what to leave out. A resume at
+the same stage count loads each rank's part; ``minidl_parallel.load_segmented_checkpoints``
+merges the stages' files for any other stage count or one device.
 """
 import collections
 import json
@@ -49,7 +56,7 @@ import warnings
 
 from .. import backend
 from ..io.safetensors import remove_stale_temp_files
-from ..io.checkpoint import (save_checkpoint, load_checkpoint, load_param_into_net, load_checkpoint_metadata,
+from ..io.checkpoint import (save_checkpoint, load_checkpoint, load_param_into_net_quietly, load_checkpoint_metadata,
                              keyed_parameters, match_parameters)
 from ..runtime import get_runtime
 from .callbacks import Callback
@@ -60,23 +67,59 @@ __all__ = ["CheckpointConfig", "ModelCheckpoint", "latest_checkpoint", "save_tra
 _STATE_KEYS = ("epoch_num", "step_num", "step_in_epoch", "batch_num", "seed", "rng_state")
 # Who wrote the file: lets a rank refuse another rank's file instead of resuming from it silently.
 _RANK_KEYS = ("rank", "group_size")
-_RESERVED_KEYS = _STATE_KEYS + _RANK_KEYS
+# Which part of a pipelined model the file holds (minidl_parallel/pipeline/checkpoint.py writes them).
+_PIPELINE_KEYS = ("pipeline_stages", "pipeline_stage", "pipeline_network")
+_RESERVED_KEYS = _STATE_KEYS + _RANK_KEYS + _PIPELINE_KEYS
 
 TrainPosition = collections.namedtuple("TrainPosition", "epoch skip_batches global_step batch_num")
 TrainPosition.__doc__ = """Where a resumed run starts: ``epoch`` (0-based) and ``skip_batches`` (steps of that
 epoch already done), the ``global_step`` done so far, and the ``batch_num`` it was trained with."""
 
 
-def _state_tensors(who, network, optimizer):
-    """Checkpoint name -> Parameter for the network and the optimizer, as save_checkpoint keys them."""
-    tensors = {name: p for name, _, p in keyed_parameters(network, who)}
-    if optimizer is not None:
-        for name, _, p in keyed_parameters(optimizer, who):
-            if name in tensors:
-                raise ValueError(f"{who}: the network and the optimizer both have a parameter named {name!r}; "
-                                 f"a checkpoint needs unique names")
-            tensors[name] = p
+def _state_tensors(who, network, optimizer, segment=None):
+    """Checkpoint name -> Parameter for the network and the optimizer, as save_checkpoint keys them;
+    with a ``segment`` (the runtime's ``checkpoint_segment``), without the parameters it names stale
+    and their optimizer state."""
+    stale = segment.stale if segment is not None else frozenset()
+    tensors = {name: p for name, _, p in keyed_parameters(network, who) if id(p) not in stale}
+    for name, p in _optimizer_state(who, optimizer, stale).items():
+        if name in tensors:
+            raise ValueError(f"{who}: the network and the optimizer both have a parameter named {name!r}; "
+                             f"a checkpoint needs unique names")
+        tensors[name] = p
     return tensors
+
+
+def _optimizer_state(who, optimizer, stale):
+    """Checkpoint name -> Parameter for the optimizer's state, without that of the ``stale`` parameters."""
+    if optimizer is None:
+        return {}
+    return {name: p for name, _, p in keyed_parameters(optimizer, who)
+            if not stale or id(_mirrored_parameter(optimizer, name)) not in stale}
+
+
+def _mirrored_parameter(optimizer, name):
+    """The parameter whose state the optimizer's entry ``name`` is (``moments.fc.weight``), or None for
+    state of the whole optimizer (``global_step``, Adam's ``beta1_power``)."""
+    owner = getattr(optimizer, "_buffer_owner", {})
+    if name in owner:
+        return optimizer.parameters[owner[name]]
+    # Per-parameter flags (SGD's "stat.<key>") are registered without an owner: found by their key.
+    keys = getattr(optimizer, "_keys", ())
+    _, dot, key = name.partition(".")
+    if dot and key in keys:
+        return optimizer.parameters[keys.index(key)]
+    return None
+
+
+class _Chosen:
+    """Some of a Cell's or an Optimizer's parameters, as ``load_param_into_net`` takes them."""
+
+    def __init__(self, tensors):
+        self._tensors = tensors
+
+    def parameters_and_names(self):
+        return iter(self._tensors.items())
 
 
 def save_train_state(path, network, optimizer, epoch_num, step_num, step_in_epoch, batch_num, append_dict=None,
@@ -94,11 +137,15 @@ def save_train_state(path, network, optimizer, epoch_num, step_num, step_in_epoc
             ``save_checkpoint``; True gathers them, a collective every rank must join).
     """
     who = "save_train_state"
+    segment = get_runtime().checkpoint_segment(network)
     meta = dict(append_dict or {})
     meta.update(epoch_num=int(epoch_num), step_num=int(step_num), step_in_epoch=int(step_in_epoch),
                 batch_num=int(batch_num), seed=str(backend.get_seed()),
                 rng_state=json.dumps(backend.rng().bit_generator.state))
-    save_checkpoint(_state_tensors(who, network, optimizer), path, append_dict=meta, integrated_save=integrated_save)
+    if segment is not None:
+        meta.update(segment.metadata)
+    save_checkpoint(_state_tensors(who, network, optimizer, segment), path, append_dict=meta,
+                    integrated_save=integrated_save)
 
 
 def restore_train_state(path, network, optimizer, who="Model.train"):
@@ -124,6 +171,18 @@ def restore_train_state(path, network, optimizer, who="Model.train"):
         raise ValueError(f"{who}: {path!r} is not a training checkpoint: its metadata lacks {missing}; resume_from "
                          f"needs a file written by ModelCheckpoint (or save_train_state) during Model.train")
     params = load_checkpoint(path)
+    # Under a pipeline a file holds its stage's part: that part must be there, and what the file holds
+    # is loaded (this rank's copies of the other stages' parameters are not used by its stage). A
+    # parameter an op of this stage reads from another (a tied head) is in the file, though a new
+    # network's segment does not know it until its first step.
+    segment = _check_segment(path, meta, network, who)
+    if segment is not None:
+        network = _Chosen({name: p for name, where, p in keyed_parameters(network, who)
+                           if id(p) not in segment.stale or name in params or where in params})
+        if optimizer is not None:
+            needed = _optimizer_state(who, optimizer, segment.stale)
+            optimizer = _Chosen({name: p for name, _, p in keyed_parameters(optimizer, who)
+                                 if name in needed or name in params})
     # Matched as load_param_into_net matches (name, else path), so that a file keyed by paths
     # (written before explicit names were saved) still resumes.
     absent = [name for part in (network, optimizer) if part is not None
@@ -137,8 +196,10 @@ def restore_train_state(path, network, optimizer, who="Model.train"):
     except ValueError as e:
         raise ValueError(f"{who}: checkpoint {path!r} has a corrupt training state in its metadata: {e}") from None
     # Shapes are checked for both before either changes (load_param_into_net checks all first).
-    load_param_into_net(network, params, strict_load=True)
-    if optimizer is not None:
+    load_param_into_net_quietly(network, params, strict_load=True, who=who)
+    if isinstance(optimizer, _Chosen):
+        load_param_into_net_quietly(optimizer, params, strict_load=True, who=who)
+    elif optimizer is not None:
         optimizer.load_state_dict(params, strict=True)
     if meta["seed"] != "None":
         backend.set_seed(int(meta["seed"]))
@@ -147,6 +208,23 @@ def restore_train_state(path, network, optimizer, who="Model.train"):
     if step_in_epoch >= batch_num:  # the epoch was complete: start the next one
         return TrainPosition(epoch_num, 0, step_num, batch_num)
     return TrainPosition(epoch_num - 1, step_in_epoch, step_num, batch_num)
+
+
+def _check_segment(path, meta, network, who):
+    """The part of ``network`` to load from the file at ``path`` (its metadata ``meta``): None (all of
+    it) for a whole file, this rank's segment for the file of its stage; another stage's file, or a
+    pipeline's file on a run without one, raises saying what to do."""
+    if "pipeline_stages" not in meta:
+        return None  # a whole model (one device's, or gathered) loads into any layout
+    segment = get_runtime().checkpoint_segment(network)
+    saved = (meta["pipeline_stages"], meta.get("pipeline_stage"))
+    mine = None if segment is None else tuple(str(segment.metadata[k]) for k in ("pipeline_stages", "pipeline_stage"))
+    if saved == mine:
+        return segment
+    here = "the whole model (no pipeline)" if mine is None else f"stage {mine[1]} of a {mine[0]}-stage pipeline"
+    raise ValueError(f"{who}: {path!r} holds pipeline stage {saved[1]} of a {saved[0]}-stage pipeline, but this rank "
+                     f"trains {here}: load the stages' files with minidl_parallel.load_segmented_checkpoints(path, "
+                     f"net, optimizer), which merges them for any stage count, then train")
 
 
 def rank_checkpoint_path(path, rank):
@@ -493,10 +571,10 @@ class ModelCheckpoint(Callback):
         step_in_epoch = cb_params.get("cur_step_in_epoch") or (cb_params.cur_step_num - 1) % batch_num + 1
         path = self._file_name(cb_params.cur_epoch_num, step_in_epoch)
         cfg = self._config
-        if cfg.saved_network is not None:
-            tensors = {name: p for name, _, p in keyed_parameters(cfg.saved_network, "ModelCheckpoint")}
-        else:
-            tensors = _state_tensors("ModelCheckpoint", cb_params.train_network, cb_params.get("optimizer"))
+        saved = cfg.saved_network if cfg.saved_network is not None else cb_params.train_network
+        segment = get_runtime().checkpoint_segment(saved)  # (under a pipeline: this stage's part)
+        optimizer = None if cfg.saved_network is not None else cb_params.get("optimizer")
+        tensors = _state_tensors("ModelCheckpoint", saved, optimizer, segment)
         problem = self._non_finite_verdict(tensors)
         if problem:
             # Nothing pruned: the files kept are the last finite ones, which a resume needs.
@@ -512,8 +590,9 @@ class ModelCheckpoint(Callback):
         # Every rank writes its own file: restore_train_state reads these keys to refuse another rank's.
         writer = dict(cfg.append_dict, rank=runtime.rank(), group_size=runtime.group_size())
         if cfg.saved_network is not None:
-            meta = dict(writer, epoch_num=cb_params.cur_epoch_num, step_num=cb_params.cur_step_num)
-            save_checkpoint(cfg.saved_network, path, append_dict=meta, integrated_save=cfg.integrated_save)
+            meta = dict(writer, epoch_num=cb_params.cur_epoch_num, step_num=cb_params.cur_step_num,
+                        **(segment.metadata if segment is not None else {}))
+            save_checkpoint(tensors, path, append_dict=meta, integrated_save=cfg.integrated_save)
         else:
             save_train_state(path, cb_params.train_network, cb_params.get("optimizer"), cb_params.cur_epoch_num,
                              cb_params.cur_step_num, step_in_epoch, batch_num, append_dict=writer,

@@ -48,6 +48,15 @@ leave the others waiting forever. ``uneven_inputs=True`` trains each epoch insid
 reducer's join block instead (minidl_parallel/join.py): the ranks with data go on, the
 finished ones contribute zero gradients.
 
+Evaluation whose outputs live on some ranks only (a pipeline: the last stage holds the logits):
+an eval network may define ``evaluation_layout()``, returning None (every rank holds its outputs) or
+``(holds_outputs, replicas, replica)``: whether this rank's calls return the outputs (the others
+return None), into how many data-parallel replicas the ranks split, and this rank's. ``eval`` then
+updates the metrics on the ranks that hold the outputs (one per replica when the dataset is sharded
+over the replicas, replica 0's alone when every replica reads it whole), the others keep zero
+statistics, and the one sum over the ranks at the end gives every rank the totals
+(minidl_parallel/pipeline/evaluation.py's PipelineEvalCell).
+
 Example:
     >>> model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
     ...               nn.Momentum(net.trainable_params(), 0.1, 0.9), metrics={"accuracy"})
@@ -153,7 +162,8 @@ class Model:
             and updates by itself, as MindSpore's Model does.
         metrics: names ({"accuracy", "loss"}) or a dict name -> Metric, for eval.
         eval_network: a Cell used by eval instead of the default ``(loss, logits, label)``
-            evaluation; called with every column of a row.
+            evaluation; called with every column of a row. It may define
+            ``evaluation_layout()`` (see the module doc: a pipeline's outputs on its last stage).
         eval_indexes: with eval_network, the positions of (loss, logits, label) in its
             outputs; None passes all its outputs to every metric's update.
         amp_level: mixed precision, as MindSpore's: "O0" (default: none), "O1", "O2", "O3",
@@ -609,6 +619,10 @@ class Model:
 
     def _evaluate(self, dataset, callbacks):
         summed = self._sums_over_ranks(dataset)
+        layout = self._evaluation_layout()
+        # Under a layout only the ranks holding the outputs update the metrics, and of those, when
+        # every replica reads the whole dataset, replica 0's alone: each row is counted once in the sum.
+        counts = layout is None or (layout[0] and (getattr(dataset, "num_shards", 1) > 1 or layout[2] == 0))
         cbs = CallbackList(callbacks, "Model.eval")
         batch_num = dataset.get_dataset_size()
         cb_params = CallbackParam(eval_network=self._eval_network or self._network, network=self._network,
@@ -646,7 +660,8 @@ class Model:
                     cbs.on_eval_step_begin(run_context)
                     outputs = self._eval_outputs(row)
                     cb_params.net_outputs = outputs
-                    self._update_metrics(outputs, rows)
+                    if counts:
+                        self._update_metrics(outputs, rows)
                     cbs.on_eval_step_end(run_context)
                     if run_context.get_stop_requested():
                         break
@@ -654,39 +669,64 @@ class Model:
                 close = getattr(it, "close", None)
                 if close is not None:
                     close()
-            results = self._metric_values(dataset, summed)
+            results = self._metric_values(dataset, summed, layout)
             cb_params.metrics = results
             cbs.on_eval_epoch_end(run_context)
             cbs.on_eval_end(run_context)
         return results
 
     def _sums_over_ranks(self, dataset):
-        """Whether the ranks evaluate disjoint shards of ``dataset``, whose statistics must be added up.
+        """Whether the ranks' statistics must be added up: they evaluate disjoint shards of
+        ``dataset``, or the eval network's outputs live on some ranks only (its layout).
 
-        Decided from the dataset's own sharding, checked before any batch so that every rank
-        raises alike instead of some waiting in the collective.
+        Decided from the dataset's own sharding and the layout, checked before any batch so that
+        every rank raises alike instead of some waiting in the collective.
         """
         num_shards = getattr(dataset, "num_shards", 1)
         size = get_runtime().group_size()
-        if size <= 1 or num_shards <= 1:
-            return False  # one process, or every rank reads (and evaluates) the whole dataset
-        if num_shards != size:
-            raise ValueError(f"Model.eval: the dataset is split into num_shards={num_shards} shards, but the runtime "
-                             f"has group_size()={size} ranks; shard it with num_shards=get_group_size(), "
-                             f"shard_id=get_rank() (each rank evaluates its shard and the results are combined), "
-                             f"or not at all (each rank evaluates every row)")
+        layout = self._evaluation_layout()
+        if layout is not None:  # outputs on some ranks only: always summed (see the module doc)
+            replicas = layout[1]
+            if num_shards > 1 and num_shards != replicas:
+                raise ValueError(f"Model.eval: the dataset is split into num_shards={num_shards} shards, but the eval "
+                                 f"network {type(self._eval_network).__name__} runs {replicas} data-parallel "
+                                 f"replica(s) of {size} ranks; shard it with num_shards={replicas} and each rank's "
+                                 f"replica as shard_id (every rank of a replica reads the same shard), or not at all")
+            how, instead = "an evaluation whose outputs live on some ranks (a pipeline's last stage)", ""
+        else:
+            if size <= 1 or num_shards <= 1:
+                return False  # one process, or every rank reads (and evaluates) the whole dataset
+            if num_shards != size:
+                raise ValueError(f"Model.eval: the dataset is split into num_shards={num_shards} shards, but the "
+                                 f"runtime has group_size()={size} ranks; shard it with num_shards=get_group_size(), "
+                                 f"shard_id=get_rank() (each rank evaluates its shard and the results are combined), "
+                                 f"or not at all (each rank evaluates every row)")
+            how, instead = "a sharded evaluation", ", or evaluate a dataset every rank reads whole"
         missing = [f"{name!r} ({type(m).__name__})" for name, m in self._metric_fns.items() if not has_statistics(m)]
         if missing:
-            raise TypeError(f"Model.eval: metric {', '.join(missing)} cannot be combined over the {size} ranks of a "
-                            f"sharded evaluation: it defines no statistics() and finish(statistics) (see "
-                            f"minidl.train.metrics.Metric); define them, or evaluate a dataset every rank reads whole")
+            raise TypeError(f"Model.eval: metric {', '.join(missing)} cannot be combined over the {size} ranks of "
+                            f"{how}: it defines no statistics() and finish(statistics) (see "
+                            f"minidl.train.metrics.Metric); define them{instead}")
         return True
 
-    def _metric_values(self, dataset, summed):
+    def _evaluation_layout(self):
+        """The eval network's ``evaluation_layout()`` (see the module doc), or None."""
+        ask = getattr(self._eval_network, "evaluation_layout", None)
+        layout = ask() if callable(ask) else None
+        if layout is not None and not (isinstance(layout, tuple) and len(layout) == 3
+                                       and all(isinstance(v, numbers.Integral) for v in layout[1:])
+                                       and 0 <= layout[2] < layout[1]):
+            raise TypeError(f"Model.eval: {type(self._eval_network).__name__}.evaluation_layout() must return None or "
+                            f"(holds_outputs, replicas, replica) with 0 <= replica < replicas, got {layout!r}")
+        return layout
+
+    def _metric_values(self, dataset, summed, layout=None):
         if not summed:
             return {name: m.eval() for name, m in self._metric_fns.items()}
         names = list(self._metric_fns)
         stats = [numpy.asarray(self._metric_fns[name].statistics(), dtype=numpy.float64).ravel() for name in names]
+        if layout is not None:
+            return self._layout_values(dataset, layout, names, stats)
         # One collective, after the loop, so that ranks with different numbers of batches meet
         # exactly once. A one-hot of shard_id rides along: the sums show whether every shard
         # was read by exactly one rank (two ranks reading one shard would count its rows twice).
@@ -700,6 +740,35 @@ class Model:
                              f"the ranks read them {readers.astype(int).tolist()} times (by shard_id); pass "
                              f"shard_id=get_rank()")
         results, at = {}, num_shards
+        for name, part in zip(names, stats):
+            results[name] = self._metric_fns[name].finish(total[at:at + part.size])
+            at += part.size
+        return results
+
+    def _layout_values(self, dataset, layout, names, stats):
+        """``_metric_values`` under an eval network's layout: the ranks that did not count add zeros."""
+        num_shards = getattr(dataset, "num_shards", 1)
+        _, replicas, replica = layout
+        # With a sharded dataset every rank (all of a replica's, not only the counting one) adds a one-hot
+        # of (its replica, its shard_id): the sums show each replica's ranks reading one shard together
+        # (a stage reading another shard would pair one shard's data with another's labels) and each
+        # shard read by one replica.
+        read = numpy.zeros((replicas, num_shards if num_shards > 1 else 0))
+        if num_shards > 1:
+            read[replica, dataset.shard_id] = 1.0
+        total = numpy.asarray(get_runtime().sum_over_ranks(numpy.concatenate([read.ravel()] + stats)))
+        read = total[:read.size].reshape(read.shape)
+        if num_shards > 1:
+            each = get_runtime().group_size() // replicas
+            replicas_ok = all(numpy.count_nonzero(row) == 1 and row.max() == each for row in read)
+            if not replicas_ok or not (numpy.count_nonzero(read, axis=0) == 1).all():
+                seen = "; ".join(f"replica {r}: " + ", ".join(f"shard {s} by {int(c)} rank(s)"
+                                                              for s, c in enumerate(row) if c)
+                                 for r, row in enumerate(read))
+                raise ValueError(f"Model.eval: in a pipelined evaluation the {each} ranks of each replica must read "
+                                 f"one shard together and each of the {num_shards} shards one replica, but {seen}; "
+                                 f"pass each rank's replica as shard_id")
+        results, at = {}, read.size
         for name, part in zip(names, stats):
             results[name] = self._metric_fns[name].finish(total[at:at + part.size])
             at += part.size

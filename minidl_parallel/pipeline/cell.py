@@ -19,11 +19,15 @@ import numpy
 from minidl import backend
 from minidl.nn import Cell
 from minidl.ops.primitive import Primitive
+from minidl.runtime import get_runtime
 
 from .. import context
 from ..comm.p2p import P2POp
 from .executor import DTYPES, dtype_named, run_step, split_micro_batches
+from ..tensor_parallel import dispatch, parameters
+from .. import pipeline_groups as groups
 from .schedules import pipeline_schedule
+from .stage_cut import NO_CUT, StageCut
 from .stage_forward import PipelineError
 from .stages import StagePlan
 
@@ -62,6 +66,8 @@ class PipelineCell(Cell):
     Attributes:
         last_step: what the latest step did on this rank (a ``StepLog``: its messages, and the most
             micro-batches it held at once), or None before the first.
+        last_plan: the latest step's ``StagePlan`` (with the parameters found shared as it ran: a tied
+            head's table), or None before the first; checkpoints read it.
     """
 
     def __init__(self, network, micro_size, stage_config=None):
@@ -75,7 +81,7 @@ class PipelineCell(Cell):
         self.network = network
         self.micro_size = micro_size
         self.last_step = None
-        self._groups = {}  # (world communicator, its pipeline ranks) -> the pipeline group, split once
+        self.last_plan = None
         self._synced = {}  # id(pipeline group) -> whether its shared parameters' copies were compared
         if stage_config is not None:
             self._set_stages(stage_config)
@@ -103,12 +109,15 @@ class PipelineCell(Cell):
         if stages == 1:
             return
         world = context.get_communicator()
-        stage, _, pipeline_ranks = context.stage_layout(world.size, world.rank, stages)
-        comm = self._group(world, pipeline_ranks)
+        stage, comm = groups.pipeline_group(world, stages)
         plan = StagePlan(self.network, stages)
         for _, param in self.network.parameters_and_names():
             owner = plan.stage_of_parameter[id(param)]
-            value = comm.broadcast(param.data, root=owner)
+            if stage == owner and param.placement is not None:  # a block of a stage cut by shard(): whole first
+                value = comm.broadcast(parameters.whole(param, groups.stage_group(world, stages)[1],
+                                                        dispatch.groups()), root=owner)
+            else:
+                value = comm.broadcast(param.data, root=owner)
             if stage != owner:
                 param.set_data(value)
 
@@ -119,19 +128,27 @@ class PipelineCell(Cell):
         stages, scheduler = self._settings()
         if stages == 1:
             return self._accumulate(inputs)
+        settings = context.current_world().settings
+        _refuse_unbuilt(settings)
         world = context.get_communicator()
-        stage, stage_ranks, pipeline_ranks = context.stage_layout(world.size, world.rank, stages)
-        comm = self._group(world, pipeline_ranks)
+        stage, comm = groups.pipeline_group(world, stages)
+        _, stage_comm = groups.stage_group(world, stages)
         plan = StagePlan(self.network, stages)
+        # With shard() strategies the stage's cells are cut over its ranks (their gradients reduced by the
+        # dispatcher's layouts); without, its ranks are replicas, each with its own batch.
+        cut = NO_CUT
+        if plan.sharded:
+            cut = StageCut(self.network, stage_comm, settings["dataset_strategy"], get_runtime().placing)
         schedule = pipeline_schedule(stages, self.micro_size, scheduler)
-        loss, sums, self.last_step = run_step(self.network, plan, schedule, comm, stage, inputs)
+        loss, sums, self.last_step = run_step(self.network, plan, schedule, comm, stage, inputs, cut)
+        self.last_plan = plan
         loss = _from_last_stage(comm, loss, stages - 1)
         params = plan.parameters[stage]
-        _sum_shared(comm, plan, stage, sums, check=not self._synced.get(id(comm)))
+        # (the blocks of a shared parameter are compared only where strategies cut it: else all are whole)
+        _sum_shared(comm, plan, stage, sums, not self._synced.get(id(comm)), stage_comm.rank if plan.sharded else None)
         self._synced[id(comm)] = True
-        if len(stage_ranks) > 1:  # data parallel replicas of the stage: their gradients are reduced over them
-            _reduce_over_replicas(self._group(world, stage_ranks), params, sums,
-                                  context.current_world().settings["gradients_mean"])
+        if stage_comm.size > 1 and cut is NO_CUT:  # the stage's replicas: their gradients are reduced over them
+            _reduce_over_replicas(stage_comm, params, sums, settings["gradients_mean"])
         # (the loss that came from the last stage, on this stage's device)
         loss = backend.to_device(loss, backend.get_array_module(params[0].data) if params else backend.default_xp())
         return _StepGradients(loss, [sums.get(id(p)) for p in params]).apply(*params)
@@ -143,19 +160,23 @@ class PipelineCell(Cell):
             total = loss if total is None else total + loss
         return total
 
-    def _group(self, world, pipeline_ranks):
-        if list(pipeline_ranks) == list(range(world.size)):
-            return world
-        key = (id(world), tuple(pipeline_ranks))
-        if key not in self._groups:
-            self._groups[key] = world.split(list(pipeline_ranks))
-        return self._groups[key]
-
 
 SHARED_TAG = 4  # (the executor's tags are 1-3)
 
 
-def _sum_shared(comm, plan, stage, sums, check):
+def _refuse_unbuilt(settings):
+    """Raises for settings a pipeline would otherwise ignore (the same on every rank, before any message)."""
+    if settings["enable_parallel_optimizer"]:
+        raise NotImplementedError("PipelineCell: enable_parallel_optimizer=True (optimizer parallelism inside a "
+                                  "pipeline) is not built in minidl; set it to False with pipeline_stages > 1")
+    config = settings["strategy_ckpt_config"]
+    for entry in ("load_file", "save_file"):
+        if config[entry]:
+            raise NotImplementedError(f"PipelineCell: strategy_ckpt_config {entry}={config[entry]!r} (a strategy file "
+                                      f"of a pipeline) is not built in minidl; set it to \"\" with pipeline_stages > 1")
+
+
+def _sum_shared(comm, plan, stage, sums, check, block_rank):
     """The gradient of each parameter several stages use, summed over its stages in stage order (the
     same sum, bit for bit, on each); with ``check``, the copies' values are compared first, since a
     copy made with another seed would train a different model (MindSpore's sync_pipeline_shared_parameters
@@ -168,6 +189,8 @@ def _sum_shared(comm, plan, stage, sums, check):
         mine = sums.get(id(param))
         mine = xp.zeros(param.data.shape, param.data.dtype) if mine is None else mine
         if check:
+            if block_rank is not None:
+                _check_cut_alike(comm, param, stage, stages, peers, block_rank)
             values = _exchange(comm, param.data, peers)
             differ = [s for s, v in values.items() if not bool((v == param.data).all())]
             if differ:
@@ -180,6 +203,34 @@ def _sum_shared(comm, plan, stage, sums, check):
         for s in stages[1:]:
             total += grads[s]
         sums[id(param)] = total
+
+
+_CUT_BYTES = 512  # room for a layout's description
+
+
+def _block_of(param, rank):
+    """Which part of ``param`` this rank holds, e.g. "[0:6, 0:8] of (12, 8)" (rank: in its stage's group)."""
+    placement = param.placement
+    shape = tuple(param.shape) if placement is None else tuple(placement.shape)
+    cover = [slice(0, n) for n in shape] if placement is None else placement.layout.local_slices(rank, shape)
+    return f"[{', '.join(f'{s.start}:{s.stop}' for s in cover)}] of {shape}"
+
+
+def _check_cut_alike(comm, param, stage, stages, peers, rank):
+    """Raises unless this rank's copies of a shared parameter on its stages hold the same block (shard()
+    strategies inside the stages): their gradients are summed block by block. Two strategies may describe
+    one cut differently (a vocabulary-parallel lookup and head): the blocks are compared, not the layouts."""
+    mine = _block_of(param, rank).encode()[:_CUT_BYTES]
+    carrier = numpy.zeros(_CUT_BYTES, numpy.uint8)
+    carrier[:len(mine)] = numpy.frombuffer(mine, numpy.uint8)
+    blocks = {s: bytes(a).rstrip(b"\0").decode(errors="replace")
+              for s, a in _exchange(comm, carrier, peers).items()}
+    blocks[stage] = mine.decode(errors="replace")
+    if len(set(blocks.values())) > 1:  # (the same words on every rank: in stage order)
+        raise PipelineError(f"parameter {param.name!r} is used by stages {stages} but cut differently by their shard() "
+                            f"strategies: rank {rank} of each stage holds "
+                            + ", ".join(f"{blocks[s]} on stage {s}" for s in sorted(blocks))
+                            + "; give the operators that use it strategies that cut it alike")
 
 
 def _exchange(comm, array, peers):

@@ -20,12 +20,13 @@ import numpy
 
 from minidl import backend
 from minidl.autograd import run_backward
-from minidl.runtime import LOCAL, mode_layer
+from minidl.runtime import mode_layer
 from minidl.tensor import Tensor, is_grad_enabled
 
 from ..comm.p2p import P2POp
 from ..comm.threads import _add_note
 from .schedules import FORWARD
+from .stage_cut import NO_CUT
 from .stage_forward import PipelineError, StageForward, check_one_activation
 
 __all__ = ["run_step", "split_micro_batches", "MessageRecord", "StepLog"]
@@ -143,8 +144,9 @@ def dtype_named(name):
 class _StageRun:
     """The state of one step on one stage: the graphs of the micro-batches in flight, the sums."""
 
-    def __init__(self, network, plan, schedule, comm, stage, log):
+    def __init__(self, network, plan, schedule, comm, stage, log, cut):
         self.network, self.plan, self.schedule, self.stage = network, plan, schedule, stage
+        self.cut = cut  # how the stage's cells run: cut over the stage's ranks (stage_cut.py) or locally
         self.last = schedule.stages - 1
         self.log = log
         self.messages = _Messages(comm, log.messages)
@@ -164,32 +166,33 @@ class _StageRun:
             shape = tuple(int(d) for d in header[2:2 + int(header[1])])
             buf = self.xp.empty(shape, dtype=dtype_named(DTYPES[int(header[0])]))
             self.messages.recv(buf, from_stage, ACTIVATION_TAG, action, "activation")
-            return Tensor(buf, requires_grad=True)
+            return self.cut.tag(Tensor(buf, requires_grad=True))
 
         def send(tensor, to_stage, made_by):
+            tensor = self.cut.to_edge(tensor)
             array = self.xp.ascontiguousarray(tensor.data)
             self.messages.send(_header(array), to_stage, HEADER_TAG, action, "header")
             self.messages.send(array, to_stage, ACTIVATION_TAG, action, "activation")
+            return tensor
 
-        # The stage's own cells run on the local runtime (the pipeline group is this rank's world here),
-        # under the mode's layer when one is installed (GRAPH_MODE fuses inside the stage's cells).
+        # The stage's own cells run on the local runtime, or through the tensor-parallel dispatcher over
+        # the stage's ranks (stage_cut.py), under the mode's layer when one is installed (GRAPH_MODE fuses
+        # inside the stage's cells).
         mode = mode_layer()
-        layer = StageForward(LOCAL if mode is None else mode(LOCAL), self.plan, self.stage, receive, send)
+        inner = self.cut.runtime
+        layer = StageForward(inner if mode is None else mode(inner), self.plan, self.stage, receive, send)
         with layer:
-            out = self.network(*inputs)
+            out = self.network(*(self.cut.tag(x) if isinstance(x, Tensor) else x for x in inputs))
+            if self.stage == self.last and isinstance(out, Tensor) and layer.stage_of(out) == self.stage:
+                out = self.cut.whole(out)
+                layer.keep(out)
         what = f"stage {self.stage}"
         check_one_activation(layer, i, what)
         if self.stage > 0 and not layer.inputs:
             raise PipelineError(f"{what} received nothing from stage {self.stage - 1} in micro-batch {i}: none of its "
                                 f"cells takes an output of the stage before it")
         if self.stage == self.last:
-            if not isinstance(out, Tensor) or layer.stage_of(out) != self.stage or out.size != 1:
-                raise PipelineError(f"the network's output on the last stage ({self.stage}) must be the loss, a "
-                                    f"one-element Tensor computed on it; got {_describe(out, layer)}: wrap the network "
-                                    f"and its loss in nn.WithLossCell, with the loss after the last stage's cells")
-            root = out
-            value = out.data.reshape(())
-            self.loss = value.copy() if self.loss is None else self.loss + value
+            root = self.keep_last(i, out, layer)
         else:
             if not layer.outputs:
                 raise PipelineError(f"{what} sent nothing to stage {self.stage + 1} in micro-batch {i}: no cell of a "
@@ -198,6 +201,17 @@ class _StageRun:
         if is_grad_enabled():  # (no backward follows under no_grad: nothing to hold)
             self.in_flight[i] = (root, layer.inputs[0] if layer.inputs else None)
             self.log.peak_held = max(self.log.peak_held, len(self.in_flight))
+
+    def keep_last(self, micro, out, layer):
+        """The last stage's output of micro-batch ``micro``: the loss, added to the step's sum; returns the
+        root of its backward. (Evaluation keeps any outputs instead: evaluation.py overrides this.)"""
+        if not isinstance(out, Tensor) or layer.stage_of(out) != self.stage or out.size != 1:
+            raise PipelineError(f"the network's output on the last stage ({self.stage}) must be the loss, a "
+                                f"one-element Tensor computed on it; got {_describe(out, layer)}: wrap the network "
+                                f"and its loss in nn.WithLossCell, with the loss after the last stage's cells")
+        value = out.data.reshape(())
+        self.loss = value.copy() if self.loss is None else self.loss + value
+        return out
 
     def backward(self, action):
         root, leaf = self.in_flight.pop(action.micro)
@@ -227,9 +241,9 @@ def _describe(out, layer):
     return repr(out) if not isinstance(out, (tuple, list)) else f"a {type(out).__name__} of {len(out)} values"
 
 
-def run_step(network, plan, schedule, comm, stage, inputs):
+def run_step(network, plan, schedule, comm, stage, inputs, cut=NO_CUT):
     """Runs ``schedule``'s actions of ``stage`` for one step of ``network`` on ``inputs`` (the whole
-    batch: cut into micro-batches here).
+    batch: cut into micro-batches here); ``cut`` says how the stage's cells run (stage_cut.py).
 
     Returns:
         (the last stage's sum of the micro-batch losses as a 0-d array, else None;
@@ -238,7 +252,7 @@ def run_step(network, plan, schedule, comm, stage, inputs):
     """
     micro = split_micro_batches(inputs, schedule.micro_batches)
     log = StepLog()
-    run = _StageRun(network, plan, schedule, comm, stage, log)
+    run = _StageRun(network, plan, schedule, comm, stage, log, cut)
     actions = schedule.actions(stage)
     if not is_grad_enabled():  # (evaluation under no_grad: the forwards alone, in the schedule's order)
         actions = [a for a in actions if a.kind == FORWARD]

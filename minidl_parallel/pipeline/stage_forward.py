@@ -86,7 +86,8 @@ class StageForward(Layered):
         plan: the network's :class:`~minidl_parallel.pipeline.stages.StagePlan`.
         stage: this rank's stage.
         receive: ``receive(from_stage, made_by) -> Tensor``: the activation of the previous stage.
-        send: ``send(tensor, to_stage, made_by)``: hands this stage's output to the next stage.
+        send: ``send(tensor, to_stage, made_by) -> Tensor``: hands this stage's output to the next stage;
+            returns the tensor sent (the output, or it moved to the layout the stages exchange).
     """
 
     layers_pass_through = True  # GRAPH_MODE's layer runs inside the stage's cells (``inner``), not over this
@@ -173,8 +174,7 @@ class StageForward(Layered):
                 raise _out_of_order(name, stage, self.stage)
             if id(value) not in self._sent:
                 self._sent.add(id(value))
-                self.outputs.append(value)
-                self._send(value, stage, name)
+                self.outputs.append(self._send(value, stage, name))  # (the tensor sent: its layout may change)
 
     def _receive_inputs(self, args, kwargs, name):
         mapping = {}
@@ -188,6 +188,10 @@ class StageForward(Layered):
                 self.inputs.append(self._received[id(value)])
             mapping[id(value)] = self._received[id(value)]
         return mapping
+
+    def keep(self, tensor):
+        """Records ``tensor`` (made from this stage's outputs after the construct returned) as this stage's."""
+        self._tagged[id(tensor)] = (tensor, self.stage)
 
     def stage_of(self, value):
         """The stage a value of this action lives on: its own for tensors this rank computed from

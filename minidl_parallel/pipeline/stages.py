@@ -28,6 +28,9 @@ class StagePlan:
         stage_of_parameter: id(parameter) -> its stage (its first, when shared), for every parameter.
         shared: id(parameter) -> (parameter, its stages) for the parameters several stages use: held
             by cells of several stages, or read by an op of a later stage (found as the forward runs).
+        sharded: the paths of the operators with a ``shard()`` strategy. With any, each stage's cells run
+            through the tensor-parallel dispatcher over the stage's ranks (tensor parallelism inside the
+            stages); without, a stage's ranks are data-parallel replicas.
     """
 
     def __init__(self, network, stages):
@@ -38,6 +41,7 @@ class StagePlan:
         owner = {}  # id(parameter) -> (stage, path of its staged cell)
         self.parameters = [[] for _ in range(stages)]
         self.shared = {}  # id(parameter) -> (parameter, the stages that use it), for parameters of several
+        self.sharded = []  # paths of the operators with a shard() strategy: the stages' cells are cut
         self._walk(network, "", None, None, owner)
         self.stage_of_parameter = {k: stage for k, (stage, _) in owner.items()}
         for name, p in network.parameters_and_names():
@@ -53,11 +57,7 @@ class StagePlan:
         """Visits cell and its children; returns whether it is or holds a staged cell."""
         for attr, value in vars(cell).items():
             if isinstance(value, Primitive) and value.in_strategy is not None:
-                # (the tensor-parallel dispatcher stays out of a pipelined run: the strategy would be ignored)
-                where = f"{path}.{attr}" if path else attr
-                raise NotImplementedError(f"{where} ({value!r}) has a shard() strategy, but tensor parallelism "
-                                          f"inside pipeline stages is not built in minidl yet: remove the strategy, "
-                                          f"or train without pipeline_stages")
+                self.sharded.append(f"{path}.{attr}" if path else attr)
         stage = _stage_attr(cell)
         if stage is not None:
             if stage >= self.stages:
@@ -108,6 +108,11 @@ class StagePlan:
             stages.append(user)
             stages.sort()
             self.parameters[user].append(param)
+
+    def stages_of(self, param):
+        """The stages that hold ``param``: its own, or every stage that shares it."""
+        shared = self.shared.get(id(param))
+        return list(shared[1]) if shared is not None else [self.stage_of_parameter[id(param)]]
 
     def stage_of_cell(self, cell):
         """The stage of a staged cell, else None."""

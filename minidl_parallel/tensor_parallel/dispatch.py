@@ -35,6 +35,7 @@ from minidl.tensor import Parameter, Tensor, is_grad_enabled
 
 from .. import context
 from ..agreement import describe_ranks, disagreement
+from ..pipeline_groups import stage_group
 from ..collectives import AllGather, AllReduce, Broadcast, ReduceScatter
 from . import counter, strategy_file
 from .explain import recording, saving_plan
@@ -76,7 +77,11 @@ def groups():
 
 
 def active_context():
-    """(world communicator, settings, device_num) when this rank runs (semi-)auto parallel, else None."""
+    """(communicator, settings, device_num) when this rank runs (semi-)auto parallel, else None.
+
+    The communicator is the world's, or under a pipeline the ranks of this rank's stage (MindSpore cuts
+    each stage over its own devices: device_num // pipeline_stages of them), and device_num its size.
+    """
     if not context.tensor_parallel_active():
         return None
     world = context.current_world()
@@ -84,6 +89,10 @@ def active_context():
     if device_num != world.comm.size:
         raise ValueError(f"tensor parallel: device_num is {device_num} but the world has {world.comm.size} ranks; "
                          f"set_auto_parallel_context(device_num=...) must equal the number of ranks")
+    stages = world.settings["pipeline_stages"]
+    if stages > 1:
+        comm = stage_group(world.comm, stages)[1]
+        return comm, world.settings, comm.size
     return world.comm, world.settings, device_num
 
 
@@ -387,8 +396,10 @@ def outermost():
     return _rank_state().depth == 0
 
 
-def run_cell(cell, args, kwargs):
-    """Runs a Cell; the outermost call tags its inputs and makes its partial outputs whole."""
+def run_cell(cell, args, kwargs, root=None):
+    """Runs a Cell; the outermost call tags its inputs and makes its partial outputs whole. ``root``: the
+    network the operators' paths in messages start from (default: the outermost Cell; a pipeline stage's
+    cell is outermost here, its network the root)."""
     ctx = active_context()
     if ctx is None:
         return cell.construct(*args, **kwargs)
@@ -399,7 +410,7 @@ def run_cell(cell, args, kwargs):
         for a in list(args) + list(kwargs.values()):
             if isinstance(a, Tensor) and not isinstance(a, Parameter):
                 tag_input(a, settings["dataset_strategy"], device_num)
-        st.root = cell
+        st.root = cell if root is None else root
     st.depth += 1
     try:
         if outermost:

@@ -13,7 +13,7 @@ from minidl.models.gpt import GPT
 from minidl.models.resnet import BasicBlock, ResNet
 from minidl.optim import Momentum
 
-__all__ = ["mlp", "resnet", "gpt", "gpt_tied", "reference", "batches", "stage_of"]
+__all__ = ["mlp", "mlp_cut", "resnet", "gpt", "gpt64", "gpt_tied", "reference", "batches", "stage_of"]
 
 
 def stage_of(k, n, stages):
@@ -35,6 +35,20 @@ def mlp(stages, widths=(6, 8, 8, 5), classes=3):
     _set_weights(body, 11)
     for k, layer in enumerate(layers):
         layer.pipeline_stage = stage_of(k, len(layers), stages)
+    return nn.WithLossCell(body, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+
+
+def mlp_cut(stages, strategies, widths=(6, 8, 8, 4), classes=4):
+    """The MLP in float64 with ``shard()`` strategies on its Dense layers (``strategies[k]`` for layer k,
+    None: none), for tensor parallelism inside the stages; layers cut into stages as ``mlp``'s."""
+    layers = [nn.Dense(a, b, activation="relu", dtype=np.float64) for a, b in zip(widths[:-1], widths[1:])]
+    layers.append(nn.Dense(widths[-1], classes, dtype=np.float64))
+    body = nn.SequentialCell(layers)
+    _set_weights(body, 15)
+    for k, layer in enumerate(layers):
+        layer.pipeline_stage = stage_of(k, len(layers), stages)
+        if strategies[k] is not None:
+            layer.shard(strategies[k])
     return nn.WithLossCell(body, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
 
 
@@ -61,10 +75,10 @@ class _TokenLoss(nn.Cell):
         return self.ce(logits.reshape(n * t, v), labels.reshape(n * t))
 
 
-def gpt(stages, n_layer=4):
+def gpt(stages, n_layer=4, vocab=11, dtype=np.float32):
     """A small GPT with its own head (untied): embeddings on stage 0, the blocks cut in order, the
     final LayerNorm and the head on the last stage."""
-    net = GPT(vocab_size=11, block_size=8, n_layer=n_layer, n_head=2, n_embd=8, tie_weights=False)
+    net = GPT(vocab_size=vocab, block_size=8, n_layer=n_layer, n_head=2, n_embd=8, tie_weights=False, dtype=dtype)
     _set_weights(net, 13)
     net.wte.pipeline_stage = net.wpe.pipeline_stage = 0
     for k, block in enumerate(net.blocks):
@@ -73,11 +87,16 @@ def gpt(stages, n_layer=4):
     return nn.WithLossCell(net, _TokenLoss())
 
 
-def gpt_tied(stages, n_layer=4):
+def gpt64(stages, n_layer=4, vocab=11):
+    """``gpt`` in float64 (for runs whose sums are added in another order: compared within 1e-10)."""
+    return gpt(stages, n_layer, vocab, np.float64)
+
+
+def gpt_tied(stages, n_layer=4, vocab=11):
     """The GPT with its head tied to the token embedding table (GPT-2's), in float64: the table is
     used on stage 0 (the lookup) and on the last stage (the head), so the two stages share it."""
     import numpy
-    net = GPT(vocab_size=11, block_size=8, n_layer=n_layer, n_head=2, n_embd=8, dtype=numpy.float64)
+    net = GPT(vocab_size=vocab, block_size=8, n_layer=n_layer, n_head=2, n_embd=8, dtype=numpy.float64)
     _set_weights(net, 14)
     net.wte.pipeline_stage = net.wpe.pipeline_stage = 0
     for k, block in enumerate(net.blocks):
@@ -90,7 +109,10 @@ def batches(kind, steps, batch, seed=3):
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(steps):
-        if kind == "mlp":
+        if kind == "mlp_cut":
+            x = rng.standard_normal((batch, 6))
+            y = rng.integers(0, 3, batch).astype(np.int32)
+        elif kind == "mlp":
             x = rng.standard_normal((batch, 6)).astype(np.float32)
             y = rng.integers(0, 3, batch).astype(np.int32)
         elif kind == "resnet":

@@ -39,10 +39,10 @@ def run_pipeline(kind, stages, micro_batches, scheduler, data, build=None, also=
     return mp.run_threads(stages, body, timeout=240)
 
 
-def check_equal(kind, stages, micro_batches, scheduler, steps=2, batch=8):
+def check_equal(kind, stages, micro_batches, scheduler, steps=2, batch=8, build=None):
     data = models.batches(kind, steps, batch)
-    ref_losses, ref = models.reference(BUILDERS[kind], data, micro_batches)
-    ranks = run_pipeline(kind, stages, micro_batches, scheduler, data)
+    ref_losses, ref = models.reference(build or BUILDERS[kind], data, micro_batches)
+    ranks = run_pipeline(kind, stages, micro_batches, scheduler, data, build=build)
     seen = {}
     for rank, (losses, mine) in enumerate(ranks):
         for got, want in zip(losses, ref_losses):  # every rank reports the last stage's loss
@@ -120,3 +120,28 @@ def test_a_head_tied_to_the_embedding_shares_it_between_the_first_and_last_stage
             np.testing.assert_allclose(value, ref[key], rtol=1e-10, atol=1e-14, err_msg=f"{key} on rank {rank}")
     first, last = out[0][1], out[-1][1]
     assert name in first and name not in last  # (listed with its first stage)
+
+
+def _with_seeded_dropout(stages):
+    """The MLP with a Dropout after each hidden layer, each drawing from its own seeded stream."""
+    from minidl import ops
+    net = models.mlp(stages)
+    layers = list(net._backbone)
+    cells = []
+    for k, layer in enumerate(layers):
+        cells.append(layer)
+        if k < len(layers) - 1:
+            drop = nn.Dropout(keep_prob=0.7)
+            drop.dropout = ops.Dropout(0.7, seed0=5, seed1=k + 1)  # (MindSpore's per-op seeds)
+            drop.pipeline_stage = layer.pipeline_stage
+            cells.append(drop)
+    body = nn.SequentialCell(cells)
+    body.set_train(True)
+    return nn.WithLossCell(body, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"))
+
+
+def test_dropout_with_its_own_seeds_draws_one_devices_masks_in_a_pipeline():
+    """A seeded Dropout op advances its own stream call by call, and each op sees the micro-batches in the
+    same order on its stage as on one device: the same masks, so the same training, bit for bit. (An
+    unseeded Dropout draws from the global stream, which each stage's rank advances by its own ops.)"""
+    check_equal("mlp", 2, 4, "1f1b", build=_with_seeded_dropout)

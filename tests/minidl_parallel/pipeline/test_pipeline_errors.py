@@ -238,13 +238,3 @@ def test_the_grad_reducer_divides_by_the_loss_scale_and_checks_its_arguments():
         PipelineGradReducer([grads[0]])
 
 
-
-
-def test_a_shard_strategy_inside_a_pipeline_is_refused_rather_than_ignored():
-    from minidl import ops
-    a, b = dense_chain((0, 1), widths=(4, 4, 4))
-    a.matmul_op = ops.MatMul().shard(((1, 1), (1, 2)))
-    with pytest.raises(NotImplementedError, match=re.escape(
-            "0.matmul_op (MatMul(transpose_a=False, transpose_b=False).shard(((1, 1), (1, 2)))) has a shard() "
-            "strategy, but tensor parallelism inside pipeline stages is not built in minidl yet")):
-        StagePlan(nn.SequentialCell([a, b]), 2)

@@ -31,3 +31,11 @@ def test_a_stage_that_stalls_ends_the_job_within_the_timeout_naming_what_its_nei
     assert ("minidl_parallel: rank 1 of 2 (mpi backend): recv #0 from rank 0 (tag 2, shape=(10,), dtype=int64) "
             "(pipeline stage 1, F0: the header from stage 0) timed out after 2.0 s; ranks that have not arrived: "
             "[0]") in proc.stderr, proc.stderr
+
+
+def test_stages_cut_by_shard_strategies_over_processes_train_as_one_device():
+    """4 processes: 2 stages of 2 ranks, each stage's Dense layers cut by shard() over its ranks."""
+    proc = mpirun(4, ROOT / "tests" / "mpi" / "pipeline_tensor_parallel.py", 180, [])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank"))
+    assert lines == [f"rank {r}: ok" for r in range(4)], proc.stdout + proc.stderr

@@ -4,6 +4,8 @@
 train: trains 2 steps of nn.PipelineCell in nn.TrainOneStepCell; every rank also trains the
        single-device reference (gradient accumulation over the same micro-batches) and compares its
        stage's parameters and the losses, bit for bit; prints "rank r: ok" or what differs.
+train_dp: the same with N // 2 stages of 2 data-parallel replicas (gradients_mean): replica j trains
+       on block j of each batch; the reference adds the replicas' sums in replica order, halved.
 raise: stage 1's loss raises in micro-batch 1's forward: the job must end, naming the stage and action.
 stall: stage 0 sleeps past the timeout before its step: stage 1's receive must time out, naming the
        stage, the action and the message it waited for.
@@ -17,7 +19,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "minidl_parallel"))
 
 import minidl_parallel as mp  # noqa: E402
-from minidl import backend, nn  # noqa: E402
+from minidl import Tensor, backend, nn  # noqa: E402
 from minidl_parallel.nn import PipelineCell  # noqa: E402
 from minidl_parallel.pipeline.stages import StagePlan  # noqa: E402
 from pipeline import pipeline_models as models  # noqa: E402
@@ -25,8 +27,9 @@ from pipeline import pipeline_models as models  # noqa: E402
 case, kind, scheduler = sys.argv[1], sys.argv[2], sys.argv[3]
 build = {"mlp": models.mlp, "resnet": models.resnet, "gpt": models.gpt}[kind]
 comm = mp.init("mpi")
-rank, stages = comm.rank, comm.size
-mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=stages,
+replicas = 2 if case == "train_dp" else 1
+rank, stages = comm.rank, comm.size // replicas
+mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=stages, gradients_mean=True,
                              pipeline_config={"pipeline_scheduler": scheduler})
 micro = 4
 data = models.batches(kind, 2, 8)
@@ -47,13 +50,15 @@ if case == "stall" and rank == 0:
     time.sleep(60)
 
 step = nn.TrainOneStepCell(PipelineCell(net, micro), models.optimizer(net))
-losses = [backend.to_numpy(step(x, y).data) for x, y in data]
-ref_losses, ref = models.reference(build, data, micro)
+replica, rows = rank % replicas, 8 // replicas
+losses = [backend.to_numpy(step(Tensor(x.data[replica * rows:(replica + 1) * rows]),
+                                Tensor(y.data[replica * rows:(replica + 1) * rows])).data) for x, y in data]
+ref_losses, ref = models.reference(build, data, micro, replicas=replicas, mean=True)
 plan = StagePlan(net, stages)
 problems = [f"loss {i}: {got} != {want}" for i, (got, want) in enumerate(zip(losses, ref_losses))
-            if got.dtype != want.dtype or not np.array_equal(got, want)]
+            if replica == 0 and (got.dtype != want.dtype or not np.array_equal(got, want))]
 for name, p in net.parameters_and_names():
-    if plan.stage_of_parameter[id(p)] == rank and not np.array_equal(backend.to_numpy(p.data), ref[name]):
+    if plan.stage_of_parameter[id(p)] == rank // replicas and not np.array_equal(backend.to_numpy(p.data), ref[name]):
         problems.append(f"{name} differs")
 print(f"rank {rank}: " + ("ok" if not problems else "; ".join(problems)), flush=True)
 mp.release()

@@ -17,6 +17,14 @@ def test_a_pipeline_of_processes_trains_as_one_device(n, kind, scheduler):
     assert lines == [f"rank {r}: ok" for r in range(n)], proc.stdout + proc.stderr
 
 
+def test_a_pipeline_of_processes_times_data_parallel_trains_as_one_device_over_the_replicas_shards():
+    """4 processes: 2 stages x 2 replicas; each stage's gradients averaged over its replicas."""
+    proc = mpirun(4, SCRIPT, 180, ["train_dp", "resnet", "1f1b"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank"))
+    assert lines == [f"rank {r}: ok" for r in range(4)], proc.stdout + proc.stderr
+
+
 def test_a_stage_that_raises_ends_the_job_naming_the_stage_and_the_action():
     proc = mpirun(2, SCRIPT, 120, ["raise", "mlp", "1f1b"])
     assert proc.returncode != 0, proc.stdout + proc.stderr

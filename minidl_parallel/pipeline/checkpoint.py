@@ -75,9 +75,7 @@ def stage_segment(network, stages, stage, who="checkpoint"):
         plan = StagePlan(inner, stages)
     stale = set()
     for _, param in inner.parameters_and_names():
-        shared = plan.shared.get(id(param))
-        stages_of = shared[1] if shared is not None else [plan.stage_of_parameter[id(param)]]
-        if stage not in stages_of:
+        if stage not in plan.stages_of(param):
             stale.add(id(param))
     return Segment(frozenset(stale), {STAGES_KEY: stages, STAGE_KEY: stage, NETWORK_KEY: path})
 

@@ -86,7 +86,7 @@ class PipelineEvalCell(Cell):
         world = context.get_communicator()
         stage, comm = groups.pipeline_group(world, stages)
         plan = StagePlan(self.network, stages)
-        if getattr(plan, "sharded", False):
+        if plan.sharded:
             raise NotImplementedError("PipelineEvalCell: the network has shard() strategies inside its stages; "
                                       "evaluation through such a pipeline is not built yet: evaluate without them")
         micro, rows = _micro_batches(inputs, self.micro_size)

@@ -47,7 +47,8 @@ def run(strategies, stages, ranks, micro, scheduler, data, dataset_strategy="dat
         stage = mp.get_rank() // ranks
         mine = {name: backend.to_numpy(gather_like(p.data, p) if p.placement is not None else p.data)
                 for name, p in net.parameters_and_names() if plan.stage_of_parameter[id(p)] == stage}
-        return losses, mine
+        log = step.network.last_step
+        return losses, mine, (log.count("send", "activation"), log.count("send", "gradient"))
 
     return mp.run_threads(stages * ranks, body, timeout=240), build
 
@@ -57,8 +58,16 @@ def check(strategies, stages, ranks, micro, scheduler, dataset_strategy="data_pa
     out, build = run(strategies, stages, ranks, micro, scheduler, data, dataset_strategy)
     ref_losses, ref = models.reference(build, data, micro)
     seen = set()
-    for rank, (losses, mine) in enumerate(out):
+    widths = (8, 8, 4, 4)  # each Dense layer's output features
+    for rank, (losses, mine, (activations, gradients)) in enumerate(out):
         np.testing.assert_allclose(losses, np.array(ref_losses, dtype=np.float64), rtol=1e-10, err_msg=f"rank {rank}")
+        # One message per micro-batch and direction, holding this rank's block of the edge's layout: its
+        # rows of the micro-batch (all of them with "full_batch"), every feature, float64.
+        stage = rank // ranks
+        rows = 16 // micro // (ranks if dataset_strategy == "data_parallel" else 1)
+        width = widths[max(k for k in range(4) if models.stage_of(k, 4, stages) == stage)]
+        assert activations == ((micro, micro * rows * width * 8) if stage < stages - 1 else (0, 0)), rank
+        assert gradients[0] == (micro if stage > 0 else 0), rank
         for name, value in mine.items():
             seen.add(name)
             np.testing.assert_allclose(value, ref[name], rtol=1e-10, atol=1e-13, err_msg=f"{name} on rank {rank}")

@@ -166,13 +166,13 @@ def check_pipeline_args(parser, args):
                      f"(each batch is cut into equal micro-batches)")
     if args.pipeline == 1 and args.micro_batches == 1:
         return
-    refused = [flag for flag, on in (("--zero", args.zero is not None), ("--amp", args.amp != "O0"),
-                                     ("--loss-scale", args.loss_scale != "none"),
+    refused = [flag for flag, on in (("--zero", args.zero is not None),
                                      ("--parallel none", args.parallel == "none" and args.pipeline > 1)) if on]
     if refused:
         parser.error(f"--pipeline {args.pipeline} --micro-batches {args.micro_batches} does not combine with "
-                     f"{', '.join(refused)} in this example (the PipelineCell trains plain float32 steps): drop "
-                     f"{'it' if len(refused) == 1 else 'them'}, or use --pipeline 1 --micro-batches 1")
+                     f"{', '.join(refused)} (optimizer parallelism inside a pipeline is not built; a pipeline needs "
+                     f"minidl_parallel): drop {'it' if len(refused) == 1 else 'them'}, or use --pipeline 1 "
+                     f"--micro-batches 1")
     if args.layers < args.pipeline:
         parser.error(f"--pipeline {args.pipeline} needs at least as many --layers (blocks to cut), got {args.layers}")
 

@@ -39,8 +39,9 @@ without a pipeline (``--pipeline 1 --micro-batches M`` runs the same micro-batch
 process, and ``--pipeline P`` equals it). Each rank trains only its stage's cells, so after
 training every parameter (BatchNorm statistics included) is broadcast from its stage's first rank,
 and every rank then evaluates the whole evaluation set with the whole network (the same numbers on
-every rank; no per-epoch evaluation under a pipeline). Checkpoints (--ckpt-dir, --resume-from) are
-refused with --pipeline: the stages' checkpoints are not wired into this example.
+every rank; no per-epoch evaluation under a pipeline). With --ckpt-dir each rank saves its stage's
+part (``resnet20-E_S.ckpt`` and ``_rank{r}`` beside it); --resume-from continues at the same stage
+count, and ``minidl_parallel.load_segmented_checkpoints`` loads the files into any other.
 """
 import argparse
 
@@ -91,12 +92,9 @@ def parse_args(argv=None):
         p.error(f"--batch-size {args.batch_size} must be a multiple of --micro-batches {args.micro_batches} (each "
                 f"batch is cut into equal micro-batches)")
     if args.pipeline > 1:
-        refused = [flag for flag, on in (("--ckpt-dir", args.ckpt_dir), ("--resume-from", args.resume_from),
-                                         ("--parallel none", args.parallel == "none")) if on]
-        if refused:
-            p.error(f"--pipeline {args.pipeline} does not combine with {', '.join(refused)} in this example (each "
-                    f"rank holds only its stage's trained cells): drop {'it' if len(refused) == 1 else 'them'}, "
-                    f"or use --pipeline 1")
+        if args.parallel == "none":
+            p.error(f"--pipeline {args.pipeline} does not combine with --parallel none (its stages are ranks): "
+                    f"drop it, or use --pipeline 1")
     return args
 
 
@@ -259,7 +257,7 @@ def main(argv=None):
 
 def train_pipeline(args, model, pipeline, net, loss_fn, train_ds, callbacks, say):
     """Trains the stages, gathers the whole network on every rank, and evaluates it there."""
-    model.train(args.epochs, train_ds, callbacks=callbacks, log_file=args.log_file)
+    model.train(args.epochs, train_ds, callbacks=callbacks, resume_from=args.resume_from, log_file=args.log_file)
     pipeline.gather_parameters()  # each rank trained its stage: the whole network on every rank
     # Every rank evaluates the whole set alone (a dataset no rank shards): the same numbers on each.
     if args.data_path:

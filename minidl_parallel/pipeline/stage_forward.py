@@ -98,6 +98,7 @@ class StageForward(Layered):
         self._receive, self._send = receive, send
         self._depth = 0  # > 0 inside a staged cell of this rank's stage
         self._tagged = {}  # id(tensor) -> (tensor, stage): what this rank computed outside staged cells
+        self._from_weights = {}  # id(tensor) -> (tensor, [parameters]): computed from weights alone
         self._received = {}  # id(Remote) -> the Tensor received for it
         self._sent = set()  # ids of the tensors already sent on (one message per tensor)
         self.inputs = []  # the leaves received this action
@@ -129,8 +130,15 @@ class StageForward(Layered):
             raise PipelineError(f"{prim.name} reads parameter {name!r}, which belongs to no cell with a pipeline_stage")
         if len(stages) > 1:
             raise PipelineError(f"{prim.name} reads parameters of stages {sorted(stages)}: an op runs on one stage")
-        stage = stages.pop() if stages else None
         later = self._stage_of_inputs(args, {})
+        weights = self._weights_of(args)
+        if weights and later is None:
+            # A function of weights alone (mixed precision's cast of a tied head's table): every rank
+            # computes it, as a constant; the stage that takes it in shares the weights (_run_on).
+            out = self.inner.call_op(prim, args)
+            self._from_weights[id(out)] = (out, weights)
+            return out
+        stage = stages.pop() if stages else None
         if stage is None:
             stage = later
         elif later is not None and later > stage:
@@ -147,9 +155,23 @@ class StageForward(Layered):
         stages = [s for s in stages if s is not None]
         return max(stages) if stages else None
 
+    def _weights_of(self, args):
+        """The parameters the tensors among ``args`` are (or were computed from, alone), in order."""
+        weights = []
+        for a in _flatten(args):
+            found = [a] if isinstance(a, Parameter) else self._from_weights.get(id(a), (None, []))[1]
+            weights += [w for w in found if all(w is not seen for seen in weights)]
+        return weights
+
     def _run_on(self, stage, name, args, kwargs, run, target):
         """``run(target, args, kwargs)`` on ``stage``: here, with the inputs of the stage before received;
         elsewhere, with this rank's inputs sent there and a Remote for the output."""
+        # A weight (or a function of weights alone) taken in on another stage than its own: that stage
+        # shares the weight, so its gradient there is summed with the owner's (a tied head).
+        for w in self._weights_of((args, kwargs)) if stage is not None else ():
+            owner = self.plan.stage_of_parameter.get(id(w))
+            if owner is not None and owner != stage:
+                self.plan.share(w, owner, stage)
         if stage is not None and stage != self.stage:
             self._send_inputs(args, kwargs, stage, name)
             return Remote(stage, name)

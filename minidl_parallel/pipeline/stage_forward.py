@@ -16,9 +16,14 @@ same stage when one of them is a Remote. A tensor built from the data alone (pos
 constant every rank makes. So activations cross exactly at stage boundaries, once per micro-batch
 each, and in the order every rank computes.
 
+Weights read outside their staged cell: an op of the construct that reads a parameter with inputs of a
+later stage runs there (a tied head); an op of weights alone (a cast of the table) runs on every rank,
+as a constant. Either way, the stage that takes a weight, or a function of weights alone, in shares it
+(StagePlan.share): its copy's gradient there is summed with the owner's.
+
 Limits, each raised naming the cell: a staged cell of stage j takes another stage's output only from
 stage j - 1 (stages follow the order of the forward); one tensor crosses each boundary per
-micro-batch; a parameter is read only inside a staged cell. Reading a Remote's shape or value in the
+micro-batch; an op reads parameters of one stage only, each of some staged cell. Reading a Remote's shape or value in the
 construct raises naming the cell that made it: such code belongs inside a cell of a stage.
 """
 from minidl import Parameter, Tensor

@@ -23,6 +23,7 @@ import numpy
 
 from minidl import backend
 from minidl.nn import Cell
+from minidl.runtime import get_runtime
 from minidl.tensor import Tensor, no_grad
 
 from .. import context
@@ -30,7 +31,7 @@ from .. import pipeline_groups as groups
 from ..comm.threads import _add_note
 from .executor import StepLog, _StageRun
 from .schedules import FORWARD, pipeline_schedule
-from .stage_cut import NO_CUT
+from .stage_cut import NO_CUT, StageCut
 from .stage_forward import PipelineError, Remote
 from .stages import StagePlan
 
@@ -86,13 +87,15 @@ class PipelineEvalCell(Cell):
         world = context.get_communicator()
         stage, comm = groups.pipeline_group(world, stages)
         plan = StagePlan(self.network, stages)
-        if plan.sharded:
-            raise NotImplementedError("PipelineEvalCell: the network has shard() strategies inside its stages; "
-                                      "evaluation through such a pipeline is not built yet: evaluate without them")
+        cut = NO_CUT
+        if plan.sharded:  # each rank of the last stage returns its rows of the outputs (see _EvalRun)
+            settings = context.current_world().settings
+            cut = StageCut(self.network, groups.stage_group(world, stages)[1], settings["dataset_strategy"],
+                           get_runtime().placing)
         micro, rows = _micro_batches(inputs, self.micro_size)
         schedule = pipeline_schedule(stages, len(micro), scheduler)
         with no_grad():
-            outputs, self.last_step = _run_forwards(self.network, plan, schedule, comm, stage, micro)
+            outputs, self.last_step = _run_forwards(self.network, plan, schedule, comm, stage, micro, cut)
         return None if outputs is None else _join_outputs(outputs, rows)
 
 
@@ -113,15 +116,21 @@ class _EvalRun(_StageRun):
             if not isinstance(value, Tensor):
                 raise PipelineError(f"output {k} of the evaluation network is a {type(value).__name__}; it must "
                                     f"return Tensors (a Tensor, or a tuple of them) for the metrics")
+        if self.cut is not NO_CUT:
+            # Cut by shard() over the stage's ranks: each rank keeps the rows it was fed (the edge's layout:
+            # its block of the batch, or all of it with "full_batch"), as a data-parallel replica would, and a
+            # 0-d output (the micro-batch's loss) whole. Model then counts each rank's rows as a replica's.
+            values = [self.cut.whole(v) if v.ndim == 0 else self.cut.to_edge(v) for v in values]
+            out = type(out)(values) if isinstance(out, (tuple, list)) else values[0]
         self.outputs[micro] = out
         return None  # (no backward follows)
 
 
-def _run_forwards(network, plan, schedule, comm, stage, micro):
+def _run_forwards(network, plan, schedule, comm, stage, micro, cut):
     """The forwards of ``schedule`` on ``stage``; returns (the outputs per micro-batch on the last stage,
     else None; the StepLog)."""
     log = StepLog()
-    run = _EvalRun(network, plan, schedule, comm, stage, log, NO_CUT)
+    run = _EvalRun(network, plan, schedule, comm, stage, log, cut)
     for action in schedule.actions(stage):
         if action.kind != FORWARD:
             continue

@@ -249,3 +249,29 @@ def test_the_first_stages_ranks_report_the_loss_one_per_replica():
         return get_runtime().reports_loss()
 
     assert mp.run_threads(4, body, timeout=60) == [True, True, False, False]  # (stage 0: ranks 0 and 1)
+
+
+@pytest.mark.parametrize("dataset_strategy", ["data_parallel", "full_batch"])
+def test_eval_through_stages_cut_by_shard_strategies_returns_one_devices_metrics(dataset_strategy):
+    """2 stages of 2 ranks, each stage's Dense layers cut by shard(): each last-stage rank keeps the rows it
+    was fed (its shard, or with "full_batch" the whole batch, counted once), as a replica would."""
+    from .test_pipeline_tensor_parallel import BATCH, COLUMN, ROW
+    rng = np.random.default_rng(8)
+    x, y = rng.standard_normal((16, 6)), rng.integers(0, 4, 16).astype(np.int32)
+    build = lambda stages: models.mlp_cut(stages, (COLUMN, ROW, BATCH, COLUMN))  # noqa: E731
+
+    def dataset(**shards):
+        return NumpySlicesDataset({"x": x, "y": y}, shuffle=False, **shards).batch(4)
+
+    one = build(1)
+    want = Model(one._backbone, one._loss_fn, metrics=_metrics()).eval(dataset())
+
+    def body():
+        mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=2,
+                                     dataset_strategy=dataset_strategy)
+        shards = dict(num_shards=2, shard_id=mp.get_rank() % 2) if dataset_strategy == "data_parallel" else {}
+        return _pipelined_model(build(2), micro=2).eval(dataset(**shards))
+
+    for rank, got in enumerate(mp.run_threads(4, body, timeout=120)):
+        assert got["rows"] == want["rows"] == 16 and got["acc"] == want["acc"] and got["top2"] == want["top2"], rank
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-10, abs=0), (rank, got, want)  # float64

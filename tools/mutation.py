@@ -74,13 +74,17 @@ TARGETS = {
                  [f"tests/minidl_parallel/pipeline/test_{t}.py" for t in (
                      "schedules", "pipeline_equivalence", "pipeline_errors", "pipeline_training", "pipeline_details")]
                  + ["tests/minidl_parallel/test_pipeline_context.py"]),
-    # issue 32's fifth session: tensor parallelism inside a stage, evaluation and per-stage checkpoints
+    # issue 32's fifth session: tensor parallelism inside a stage, evaluation and per-stage checkpoints (each
+    # with test_pipeline_composition_details.py, the tests its first mutation run asked for)
     "pipeline_cut": (["minidl_parallel/pipeline/stage_cut.py", "minidl_parallel/pipeline_groups.py"],
-                     ["tests/minidl_parallel/pipeline/test_pipeline_tensor_parallel.py",
-                      "tests/minidl_parallel/pipeline/test_pipeline_equivalence.py"]),
-    "pipeline_eval": (["minidl_parallel/pipeline/evaluation.py"], ["tests/minidl_parallel/pipeline/test_pipeline_eval.py"]),
+                     [f"tests/minidl_parallel/pipeline/test_{t}.py" for t in (
+                         "pipeline_tensor_parallel", "pipeline_equivalence", "pipeline_composition_details")]),
+    "pipeline_eval": (["minidl_parallel/pipeline/evaluation.py"],
+                      [f"tests/minidl_parallel/pipeline/test_{t}.py" for t in (
+                          "pipeline_eval", "pipeline_composition_details")]),
     "pipeline_checkpoint": (["minidl_parallel/pipeline/checkpoint.py"],
-                            ["tests/minidl_parallel/pipeline/test_pipeline_checkpoint.py"]),
+                            [f"tests/minidl_parallel/pipeline/test_{t}.py" for t in (
+                                "pipeline_checkpoint", "pipeline_composition_details")]),
     "p2p": (["minidl_parallel/comm/p2p.py"],
             ["tests/minidl_parallel/comm/test_p2p.py", "tests/minidl_parallel/comm/test_p2p_details.py",
              "tests/minidl_parallel/comm/test_nccl_backend.py", "tests/minidl_parallel/comm/test_mpi.py"]),

@@ -110,7 +110,7 @@ def _stage_files(ckpt_files, who):
     saves = {meta.get("step_num") for meta in metas.values()}
     if len(counts) > 1 or len(saves) > 1:
         raise ValueError(f"{who}: the files {paths} come from several saves (pipeline_stages {sorted(counts)}, steps "
-                         f"{sorted(s for s in saves if s is not None)}): pass the files of one save (rank 0's file "
+                         f"{sorted(int(s) for s in saves if s is not None)}): pass the files of one save (rank 0's file "
                          f"of it finds the others)")
     stages = counts.pop()
     chosen = {}

@@ -93,7 +93,8 @@ class PipelineEvalCell(Cell):
             cut = StageCut(self.network, groups.stage_group(world, stages)[1], settings["dataset_strategy"],
                            get_runtime().placing)
         micro, rows = _micro_batches(inputs, self.micro_size)
-        schedule = pipeline_schedule(stages, len(micro), scheduler)
+        # (a schedule needs micro-batches >= stages; with fewer, its first forwards are this batch's)
+        schedule = pipeline_schedule(stages, max(len(micro), stages), scheduler)
         with no_grad():
             outputs, self.last_step = _run_forwards(self.network, plan, schedule, comm, stage, micro, cut)
         return None if outputs is None else _join_outputs(outputs, rows)
@@ -132,7 +133,7 @@ def _run_forwards(network, plan, schedule, comm, stage, micro, cut):
     log = StepLog()
     run = _EvalRun(network, plan, schedule, comm, stage, log, cut)
     for action in schedule.actions(stage):
-        if action.kind != FORWARD:
+        if action.kind != FORWARD or action.micro >= len(micro):
             continue
         try:
             run.forward(action, micro[action.micro])

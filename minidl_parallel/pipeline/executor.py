@@ -170,7 +170,7 @@ class _StageRun:
 
         def send(tensor, to_stage, made_by):
             tensor = self.cut.to_edge(tensor)
-            array = self.xp.ascontiguousarray(tensor.data)
+            array = self.xp.asarray(tensor.data, order="C")  # (ascontiguousarray makes a 0-d array 1-d)
             self.messages.send(_header(array), to_stage, HEADER_TAG, action, "header")
             self.messages.send(array, to_stage, ACTIVATION_TAG, action, "activation")
             return tensor
@@ -231,7 +231,7 @@ class _StageRun:
             g = grads.get(id(leaf))
             if g is None:  # the stage's output does not depend on its input
                 g = self.xp.zeros(leaf.data.shape, dtype=leaf.dtype)
-            self.messages.send(self.xp.ascontiguousarray(g), self.stage - 1, GRADIENT_TAG, action, "gradient")
+            self.messages.send(self.xp.asarray(g, order="C"), self.stage - 1, GRADIENT_TAG, action, "gradient")
 
 
 def _describe(out, layer):

@@ -205,8 +205,8 @@ def test_a_pipeline_save_needs_the_network_to_say_its_stages(tmp_path):
         net = nn.Dense(2, 2)  # no PipelineCell, no cell with a pipeline_stage
         save_train_state(str(tmp_path / f"net_{mp.get_rank()}.ckpt"), net, None, 1, 1, 1, 1)
 
-    with pytest.raises(PipelineError, match=r"pipeline_stages is 2, but the saved network \(Dense\) holds no "
-                                            r"nn\.PipelineCell and no cell with a pipeline_stage"):
+    with pytest.raises(PipelineError, match=r"checkpoint: pipeline_stages is 2, but the saved network \(Dense\) "
+                                            r"holds no nn\.PipelineCell and no cell with a pipeline_stage"):
         mp.run_threads(2, body, timeout=60)
     assert not list(tmp_path.iterdir())
 

@@ -140,6 +140,7 @@ def test_a_receive_of_another_shape_or_dtype_raises_naming_both_calls():
     run(2, body((4,), np.float32))  # and the matching receive passes
 
 
+@pytest.mark.call_site  # (the file:line of the send: mutmut's trampolines add frames)
 def test_debug_level_2_names_the_line_of_the_send_that_does_not_match(monkeypatch):
     monkeypatch.setenv("MINIDL_DIST_DEBUG", "2")
 

@@ -76,7 +76,7 @@ TARGETS = {
                  + ["minidl_parallel/pipeline_config.py"],
                  [f"tests/minidl_parallel/pipeline/test_{t}.py" for t in (
                      "schedules", "pipeline_equivalence", "pipeline_errors", "pipeline_training", "pipeline_details",
-                     "pipeline_tensor_parallel", "pipeline_amp")]
+                     "pipeline_tensor_parallel", "pipeline_amp", "pipeline_mutation_details")]
                  + ["tests/minidl_parallel/test_pipeline_context.py"]),
     # issue 32's fifth session: tensor parallelism inside a stage, evaluation and per-stage checkpoints (each
     # with test_pipeline_composition_details.py, the tests its first mutation run asked for)

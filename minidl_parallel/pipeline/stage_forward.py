@@ -17,8 +17,8 @@ constant every rank makes. So activations cross exactly at stage boundaries, onc
 each, and in the order every rank computes.
 
 Weights read outside their staged cell: an op of the construct that reads a parameter with inputs of a
-later stage runs there (a tied head); an op of weights alone (a cast of the table) runs on every rank,
-as a constant. Either way, the stage that takes a weight, or a function of weights alone, in shares it
+later stage runs there (a tied head); an op or glue cell of weights alone (a cast of the table) runs on
+every rank, as a constant. Either way, the stage that takes a weight, or a function of weights alone, in shares it
 (StagePlan.share): its copy's gradient there is summed with the owner's.
 
 Limits, each raised naming the cell: a staged cell of stage j takes another stage's output only from
@@ -173,7 +173,8 @@ class StageForward(Layered):
         elsewhere, with this rank's inputs sent there and a Remote for the output."""
         # A weight (or a function of weights alone) taken in on another stage than its own: that stage
         # shares the weight, so its gradient there is summed with the owner's (a tied head).
-        for w in self._weights_of((args, kwargs)) if stage is not None else ():
+        weights = self._weights_of((args, kwargs))
+        for w in weights if stage is not None else ():
             owner = self.plan.stage_of_parameter.get(id(w))
             if owner is not None and owner != stage:
                 self.plan.share(w, owner, stage)
@@ -191,6 +192,12 @@ class StageForward(Layered):
             for t in _flatten(out):
                 if isinstance(t, Tensor):
                     self._tagged[id(t)] = (t, self.stage)
+        elif weights:
+            # A cell of weights alone ran on every rank, as call_op's function of weights alone does: the
+            # stage that takes its output in shares the weights (their gradients summed).
+            for t in _flatten(out):
+                if isinstance(t, Tensor):
+                    self._from_weights[id(t)] = (t, weights)
         return out
 
     def _send_inputs(self, args, kwargs, stage, name):

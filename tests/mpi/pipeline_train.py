@@ -6,8 +6,9 @@ train: trains 2 steps of nn.PipelineCell in nn.TrainOneStepCell; every rank also
        stage's parameters and the losses, bit for bit; prints "rank r: ok" or what differs.
 train_dp: the same with N // 2 stages of 2 data-parallel replicas (gradients_mean): replica j trains
        on block j of each batch; the reference adds the replicas' sums in replica order, halved. Compared
-       within float32 rounding (rtol 1e-5): with NumPy and OpenBLAS alone (the README's install) their
-       float32 kernels round by the buffers' alignment, which processes and one process do not share.
+       within 1e-10 (run it with the float64 "mlp64"): with NumPy and OpenBLAS alone (the README's
+       install) their kernels round by the buffers' alignment, which the processes and the reference do
+       not share, so the last bit may differ.
 raise: stage 1's loss raises in micro-batch 1's forward: the job must end, naming the stage and action.
 stall: stage 0 sleeps past the timeout before its step: stage 1's receive must time out, naming the
        stage, the action and the message it waited for.
@@ -27,14 +28,15 @@ from minidl_parallel.pipeline.stages import StagePlan  # noqa: E402
 from pipeline import pipeline_models as models  # noqa: E402
 
 case, kind, scheduler = sys.argv[1], sys.argv[2], sys.argv[3]
-build = {"mlp": models.mlp, "resnet": models.resnet, "gpt": models.gpt}[kind]
+build = {"mlp": models.mlp, "resnet": models.resnet, "gpt": models.gpt,
+         "mlp64": lambda stages: models.mlp_cut(stages, (None,) * 4)}[kind]  # (float64, no strategy)
 comm = mp.init("mpi")
 replicas = 2 if case == "train_dp" else 1
 rank, stages = comm.rank, comm.size // replicas
 mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=stages, gradients_mean=True,
                              pipeline_config={"pipeline_scheduler": scheduler})
 micro = 4
-data = models.batches(kind, 2, 8)
+data = models.batches("mlp_cut" if kind == "mlp64" else kind, 2, 8)
 net = build(stages)
 
 if case == "raise" and rank == 1:
@@ -61,7 +63,7 @@ if replicas == 1:
     same = np.array_equal
 else:
     def same(got, want):
-        return np.allclose(got, want, rtol=1e-5, atol=1e-7)
+        return np.allclose(got, want, rtol=1e-10, atol=1e-14)
 problems = [f"loss {i}: {got} != {want}" for i, (got, want) in enumerate(zip(losses, ref_losses))
             if replica == 0 and (got.dtype != want.dtype or not same(got, want))]
 for name, p in net.parameters_and_names():

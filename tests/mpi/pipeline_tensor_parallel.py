@@ -2,7 +2,8 @@
 inside each stage (tests/minidl_parallel/pipeline/test_pipeline_tensor_parallel.py in processes).
 Every rank trains 2 steps, then the single-device reference (gradient accumulation over the same
 micro-batches), and compares the losses and its stage's parameters (gathered whole over the stage)
-within float64 1e-10; prints "rank r: ok" or what differs.
+within float64 1e-10, and after gather_parameters every parameter on every rank; prints "rank r: ok" or
+what differs.
 """
 import os
 import sys
@@ -37,5 +38,11 @@ problems = [f"loss {i}: {got} != {want}" for i, (got, want) in enumerate(zip(los
             if not np.isclose(got, float(want), rtol=1e-10, atol=0)]
 problems += [f"{name} differs" for name, value in mine.items()
              if not np.allclose(value, ref[name], rtol=1e-10, atol=1e-13)]
+# gather_parameters: every rank's network whole and trained (a stage's blocks gathered over its ranks, then
+# broadcast from the stage's rank to the same rank of the other stages: MPI needs the right root)
+step.network.gather_parameters()
+problems += [f"{name} differs after gather_parameters" for name, p in net.parameters_and_names()
+             if not np.allclose(backend.to_numpy(gather_like(p.data, p) if p.placement is not None else p.data),
+                                ref[name], rtol=1e-10, atol=1e-13)]
 print(f"rank {rank}: " + ("ok" if not problems else "; ".join(problems)), flush=True)
 mp.release()

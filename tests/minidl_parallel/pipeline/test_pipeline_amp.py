@@ -21,6 +21,20 @@ def _mixed(builder, level):
     return build
 
 
+def _trained_whole(build, data, micro):
+    """Per rank of 2 stages: (the steps' losses, {name: every parameter}, after gather_parameters)."""
+    def body():
+        mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=2)
+        net = build(2)
+        pipe = PipelineCell(net, micro)
+        step = nn.TrainOneStepCell(pipe, models.optimizer(net))
+        losses = [backend.to_numpy(step(x, y).data) for x, y in data]
+        pipe.gather_parameters()
+        return losses, {name: backend.to_numpy(p.data) for name, p in net.parameters_and_names()}
+
+    return mp.run_threads(2, body, timeout=120)
+
+
 @pytest.mark.parametrize("kind, level, scheduler", [("resnet", "O1", "1f1b"), ("resnet", "O2", "gpipe"),
                                                     ("gpt", "O2", "1f1b"), ("mlp", "O3", "1f1b")])
 def test_a_mixed_precision_pipeline_trains_as_one_device(kind, level, scheduler):
@@ -53,16 +67,7 @@ def test_a_tied_head_under_o2_shares_the_table_its_cast_is_made_from():
     data = models.batches("gpt", 2, 8)
     ref_losses, ref = models.reference(build, data, 4)
 
-    def body():
-        mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=2)
-        net = build(2)
-        pipe = PipelineCell(net, 4)
-        step = nn.TrainOneStepCell(pipe, models.optimizer(net))
-        losses = [backend.to_numpy(step(x, y).data) for x, y in data]
-        pipe.gather_parameters()
-        return losses, {name: backend.to_numpy(p.data) for name, p in net.parameters_and_names()}
-
-    for rank, (losses, values) in enumerate(mp.run_threads(2, body, timeout=120)):
+    for rank, (losses, values) in enumerate(_trained_whole(build, data, 4)):
         np.testing.assert_array_equal(np.array(losses), np.array(ref_losses), err_msg=f"rank {rank}")
         for name, value in values.items():
             np.testing.assert_allclose(value, ref[name], rtol=1e-10, atol=1e-14, err_msg=f"{name} on rank {rank}")
@@ -108,16 +113,8 @@ def test_a_weight_passed_to_a_glue_cell_of_a_later_stage_is_shared_with_it():
     data = [(Tensor(x.data.astype(np.float64)), y) for x, y in models.batches("mlp", 2, 8)]
     ref_losses, ref = models.reference(build, data, 2)
 
-    def body():
-        mp.set_auto_parallel_context(parallel_mode="semi_auto_parallel", pipeline_stages=2)
-        net = build(2)
-        pipe = PipelineCell(net, 2)
-        step = nn.TrainOneStepCell(pipe, models.optimizer(net))
-        losses = [float(backend.to_numpy(step(x, y).data)) for x, y in data]
-        pipe.gather_parameters()
-        return losses, {name: backend.to_numpy(p.data) for name, p in net.parameters_and_names()}
-
-    for rank, (losses, values) in enumerate(mp.run_threads(2, body, timeout=120)):
-        np.testing.assert_allclose(losses, np.array(ref_losses, dtype=np.float64), rtol=1e-10)
+    for rank, (losses, values) in enumerate(_trained_whole(build, data, 2)):
+        np.testing.assert_allclose(np.array(losses, dtype=np.float64), np.array(ref_losses, dtype=np.float64),
+                                   rtol=1e-10)
         for name, value in values.items():
             np.testing.assert_allclose(value, ref[name], rtol=1e-10, atol=1e-14, err_msg=f"{name} on rank {rank}")

@@ -129,22 +129,6 @@ def test_a_megatron_gpt_in_two_stages_of_two_ranks_trains_as_one_device(tie):
             np.testing.assert_allclose(value, ref[name], rtol=1e-9, atol=1e-12, err_msg=f"{name} on rank {rank}")
 
 
-def test_a_tied_table_cut_differently_on_its_two_stages_raises_naming_both_cuts():
-    def body():
-        mp.set_auto_parallel_context(parallel_mode="auto_parallel", pipeline_stages=2, dataset_strategy="full_batch")
-        net = models.gpt_tied(2, vocab=12)
-        net._backbone.shard(2)
-        net._backbone.head.shard(((1, 2), (1, 2)))  # the table cut along its features on stage 1, rows on stage 0
-        step = nn.TrainOneStepCell(PipelineCell(net, 2), models.optimizer(net))
-        x, y = models.batches("gpt", 1, 4)[0]
-        step(x, y)
-
-    # (rank j of stage 0 holds rows j*6:(j+1)*6; rank j of stage 1 features j*4:(j+1)*4: whichever pair reports)
-    with pytest.raises(Exception, match=r"cut differently.*: rank [01] of each stage holds \[(0:6|6:12), 0:8\] of \(12, 8\) on stage 0, "
-                                        r"\[0:12, (0:4|4:8)\] of \(12, 8\) on stage 1"):
-        mp.run_threads(4, body, timeout=60)
-
-
 def test_a_strategy_for_more_ranks_than_the_stage_has_raises_naming_the_stage_device_count():
     """Two ranks in two stages: each stage has one rank, so a cut in two is refused (before it runs)."""
     def body():

@@ -8,10 +8,12 @@ it, and prints the survivors with their diffs, so the checkout and its setup.cfg
     python3 -m pip install mutmut
     python3 tools/mutation.py compression sparse      # targets from TARGETS below
     python3 tools/mutation.py --list
+    python3 tools/mutation.py model --functions Model._evaluate Model._metric_values   # a change's functions
 
 docs/testing.md#mutation-testing records the latest results and why each survivor is left.
 """
 import argparse
+import fnmatch
 import json
 import os
 import re
@@ -92,8 +94,36 @@ TARGETS = {
     "p2p": (["minidl_parallel/comm/p2p.py"],
             ["tests/minidl_parallel/comm/test_p2p.py", "tests/minidl_parallel/comm/test_p2p_details.py",
              "tests/minidl_parallel/comm/test_nccl_backend.py", "tests/minidl_parallel/comm/test_mpi.py"]),
+    # issue 32's seams outside the pipeline package, run with --functions on the functions it changed:
+    # the runtimes' checkpoint segment, loss reporting and stage-group values; the dispatcher's stage group;
+    # the train-state checkpoints' stage segments
+    "runtime": (["minidl/runtime.py", "minidl_parallel/runtime.py"],
+                ["tests/minidl/test_runtime.py", "tests/minidl/train/test_callbacks.py",
+                 "tests/minidl_parallel/tensor_parallel/test_dispatch.py"]
+                + [f"tests/minidl_parallel/pipeline/test_{t}.py" for t in (
+                    "pipeline_tensor_parallel", "pipeline_eval", "pipeline_checkpoint", "pipeline_composition_details",
+                    "pipeline_mutation_details")]),
+    # the runtime's optimizer-parallel branches (issue 31's sliced weights), held by that target's tests
+    "runtime_slices": (["minidl_parallel/runtime.py"],
+                       ["tests/minidl_parallel/test_optimizer_parallel.py",
+                        "tests/minidl_parallel/tensor_parallel/test_optimizer_parallel_tp.py",
+                        "tests/minidl_parallel/tensor_parallel/test_strategy_file_optimizer.py"]),
+    "dispatch": (["minidl_parallel/tensor_parallel/dispatch.py"],
+                 ["tests/minidl_parallel/tensor_parallel/test_dispatch.py",
+                  "tests/minidl_parallel/tensor_parallel/test_equivalence.py",
+                  # (the outermost call reads and writes strategy files and saves explain's plans)
+                  "tests/minidl_parallel/test_strategy_ckpt.py", "tests/minidl_parallel/tensor_parallel/test_saved_plans.py"]
+                 + [f"tests/minidl_parallel/pipeline/test_{t}.py" for t in (
+                     "pipeline_tensor_parallel", "pipeline_composition_details")]),
+    "train_checkpoint": (["minidl/train/checkpoint.py"],
+                         ["tests/minidl/train", "tests/minidl/amp/test_model_amp.py",
+                          "tests/minidl_parallel/test_checkpoint_agreement.py",
+                          "tests/minidl_parallel/test_dp_checkpoint_resume.py"]
+                         + [f"tests/minidl_parallel/pipeline/test_{t}.py" for t in (
+                             "pipeline_checkpoint", "pipeline_composition_details")]),
     "mnist": (["minidl/dataset/mnist.py"], ["tests/minidl/dataset/test_mnist.py"]),
-    "callbacks": (["minidl/train/callbacks.py"], ["tests/minidl/train/test_callbacks.py"]),
+    "callbacks": (["minidl/train/callbacks.py"], ["tests/minidl/train/test_callbacks.py",
+                                                  "tests/minidl_parallel/pipeline/test_pipeline_eval.py"]),
     "intra_op": (["minidl/kernels/cpu/threads.py", "minidl/kernels/cpu/thread_count.py"],
                  ["tests/minidl/kernels/test_threads.py", "tests/minidl/kernels/test_step_memory.py"]),
     # The launcher's tests that start workers run the launcher in a subprocess, in another folder,
@@ -133,7 +163,8 @@ TARGETS = {
               + [f"tests/minidl_parallel/test_{t}.py" for t in (
                   "agreement_checks", "checkpoint_agreement", "data_parallel_equivalence", "model_dist_options",
                   "parallel_eval", "parallel_logs", "parameter_broadcast", "uneven_inputs",
-                  "model_step_agreement")]),
+                  "model_step_agreement")]
+              + ["tests/minidl_parallel/pipeline/test_pipeline_eval.py"]),
     "sources": (["minidl/dataset/sources.py"],
                 ["tests/minidl/dataset/test_sources.py", "tests/minidl/dataset/test_sharding.py",
                  "tests/minidl/dataset/test_padding_validity.py"]),
@@ -227,8 +258,21 @@ def rerun_fresh(folder, env, mutant, stall_after):
     return done.returncode not in (0, 5)  # 5: no tests collected
 
 
-def run(name, keep, stall_after=STALLED_MUTANT_S, fresh=False):
+def mutant_patterns(functions):
+    """mutmut's names for the mutants of each function: ``Class.method`` or a module-level ``function``.
+
+    mutmut names a mutant ``<module>.x_<function>__mutmut_<n>``, or ``<module>.xǁ<Class>ǁ<method>__mutmut_<n>``.
+    """
+    patterns = []
+    for function in functions:
+        owner, _, name = function.rpartition(".")
+        patterns.append(f"*.xǁ{owner}ǁ{name}__mutmut_*" if owner else f"*.x_{name}__mutmut_*")
+    return patterns
+
+
+def run(name, keep, stall_after=STALLED_MUTANT_S, fresh=False, functions=()):
     sources, tests = TARGETS[name]
+    patterns = mutant_patterns(functions)
     folder = Path(tempfile.mkdtemp(prefix=f"minidl-mutation-{name}-"))
     for f in working_tree_files():
         (folder / f).parent.mkdir(parents=True, exist_ok=True)
@@ -258,7 +302,7 @@ def run(name, keep, stall_after=STALLED_MUTANT_S, fresh=False):
     watchdog = threading.Thread(target=stop_stalled_mutants, args=(stall_after, finished), daemon=True)
     watchdog.start()
     with open(folder / "mutmut-run.log", "w") as log:
-        done = subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=folder, env=env, stdout=log,
+        done = subprocess.run([sys.executable, "-m", "mutmut", "run", *patterns], cwd=folder, env=env, stdout=log,
                               stderr=subprocess.STDOUT)
     finished.set()
     seconds = time.monotonic() - start
@@ -269,10 +313,15 @@ def run(name, keep, stall_after=STALLED_MUTANT_S, fresh=False):
     listing = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=folder, env=env,
                              capture_output=True, text=True).stdout
     status = [line.strip().rsplit(": ", 1) for line in listing.splitlines() if ": " in line and "__mutmut_" in line]
+    if patterns:  # (the listing names every mutant of the files, run or not)
+        status = [(m, v) for m, v in status if any(fnmatch.fnmatch(m, p) for p in patterns)]
+        if not status:
+            print(f"{name}: no mutants of {list(functions)} (names as Class.method or function)")
+            return 1
     counts = {}
     for _, verdict in status:
         counts[verdict] = counts.get(verdict, 0) + 1
-    print(f"== {name}: {len(status)} mutants in {seconds:.0f} s: "
+    print(f"== {name}{' (' + ' '.join(functions) + ')' if functions else ''}: {len(status)} mutants in {seconds:.0f} s: "
           + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())))
     if fresh:
         killed = [m for m, v in status if v == "survived" and rerun_fresh(folder, env, m, stall_after)]
@@ -302,6 +351,9 @@ def main():
     parser.add_argument("--fresh", action="store_true",
                         help="re-run each survivor in a fresh process (code run before mutmut's fork: imports, "
                              "caches filled by earlier tests) and report those it kills there")
+    parser.add_argument("--functions", nargs="+", default=(), metavar="NAME",
+                        help="mutate only these functions of the targets' files (Class.method or function), "
+                             "as for a change to a large module")
     args = parser.parse_args()
     if args.list or not args.targets:
         for name, (sources, tests) in TARGETS.items():
@@ -310,7 +362,7 @@ def main():
     unknown = [t for t in args.targets if t not in TARGETS]
     if unknown:
         parser.error(f"unknown targets {unknown}: expected some of {list(TARGETS)}")
-    return max(run(name, args.keep, args.stall_after, args.fresh) for name in args.targets)
+    return max(run(name, args.keep, args.stall_after, args.fresh, args.functions) for name in args.targets)
 
 
 if __name__ == "__main__":

@@ -1094,3 +1094,43 @@ def test_uneven_inputs_where_a_rank_has_no_data_at_all():
     for want, got in zip(plain, run_threads(2, run, True)):
         for name in want:
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+class _WeightFirst(nn.Cell):
+    """A root cell whose own weight is read before any cell below it runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = minidl.Parameter(Tensor(np.random.default_rng(1).standard_normal((6, 6))), name="w")
+        self.matmul = minidl.ops.MatMul()
+        self.out = nn.Dense(6, 3, dtype=F64)
+
+    def construct(self, x):
+        return self.out(self.matmul(x, self.w))
+
+
+@pytest.mark.parametrize("level", ["level1", "level2"])
+def test_the_outermost_call_makes_sliced_weights_whole_before_its_own_ops(level):
+    # Between steps each rank holds its rows of w: calling the network (outermost, no wrapper) gathers every
+    # sliced weight once, before its first op reads w.
+    x, y = _data(0, 2, 4, (6, 3))
+
+    def body(on):
+        def rank_body():
+            _context(on, level=level)
+            minidl.set_seed(0)
+            net = _WeightFirst()
+            step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.Momentum(net.trainable_params(), 0.05, 0.9))
+            rank = mp.get_rank()
+            for xb, yb in zip(x, y):
+                step(Tensor(xb[2 * rank:2 * rank + 2]), Tensor(yb[2 * rank:2 * rank + 2]))
+            sliced_between_steps = slices.is_sliced(net.w)
+            with CommCounter() as counted:
+                out = net(Tensor(x[0])).asnumpy()
+            return out, sliced_between_steps, counted.count("allgather", phase="weights")
+        return rank_body
+
+    for (want, _, _), (got, sliced, gathers) in zip(run_threads(2, body(False)), run_threads(2, body(True))):
+        assert sliced
+        np.testing.assert_array_equal(got, want)
+        assert gathers == 1  # every weight at once (one dtype), not one gather per op that reads one

@@ -126,3 +126,20 @@ def test_a_new_model_checkpoint_removes_temporary_files_of_dead_writers_only(tmp
         (tmp_path / name).write_bytes(b"partial")
     ModelCheckpoint("net", str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == [live]
+
+
+def test_save_train_state_names_a_name_two_of_its_tensors_would_share(tmp_path):
+    from minidl.train import save_train_state
+    net = mlp()
+    params = list(net.trainable_params())
+    opt = nn.Momentum(params, 0.05, 0.9)
+    params[0].name = "global_step"  # the optimizer's step counter has that name
+    with pytest.raises(ValueError) as err:
+        save_train_state(tmp_path / "a.ckpt", net, opt, 1, 1, 1, 6)
+    assert str(err.value) == ("save_train_state: the network and the optimizer both have a parameter named "
+                              "'global_step'; a checkpoint needs unique names")
+    params[0].name = "2.weight"  # two parameters of the network (the other keeps its path)
+    with pytest.raises(ValueError, match=r"^save_train_state: parameters '.*' and '.*' would both be saved as "
+                                         r"'2\.weight'"):
+        save_train_state(tmp_path / "a.ckpt", net, opt, 1, 1, 1, 6)
+    assert not os.listdir(tmp_path)

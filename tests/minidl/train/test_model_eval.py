@@ -347,8 +347,37 @@ def test_metrics_without_statistics_are_all_named_before_a_sharded_eval():
     ds = NumpySlicesDataset((x, y), column_names=["x", "y"], shuffle=False, num_shards=2, shard_id=0).batch(2)
     with Rank(0, size=2):
         with pytest.raises(TypeError, match=r"^Model\.eval: metric 'p' \(Plain\), 'o' \(Other\) cannot be combined "
-                                            r"over the 2 ranks of a sharded evaluation"):
+                                            r"over the 2 ranks of a sharded evaluation: it defines no statistics\(\) "
+                                            r"and finish\(statistics\) \(see minidl.train.metrics.Metric\); define "
+                                            r"them, or evaluate a dataset every rank reads whole$"):
             model.eval(ds)
+
+
+class _Laid(nn.Cell):
+    """An eval network saying where its outputs live (the protocol PipelineEvalCell speaks)."""
+
+    def __init__(self, net, layout):
+        super().__init__()
+        self.net, self.layout = net, layout
+
+    def construct(self, x, y):
+        logits = self.net(x)
+        return logits, y
+
+    def evaluation_layout(self):
+        return self.layout
+
+
+@pytest.mark.parametrize("layout", [(True, 2, 2), (True, 2, -1), (True, 2), [True, 1, 0], (True, 1.0, 0),
+                                    (True, 2, 1.0), "abc"])
+def test_an_evaluation_layout_that_is_not_holds_replicas_replica_is_refused(layout):
+    x, y = blobs(n=8)
+    net = mlp()
+    model = Model(net, ce_loss(), metrics={"acc": Accuracy()}, eval_network=_Laid(net, layout), eval_indexes=None)
+    with pytest.raises(TypeError) as err:
+        model.eval(slices((x, y), ["x", "y"], 4))
+    assert str(err.value) == (f"Model.eval: _Laid.evaluation_layout() must return None or (holds_outputs, replicas, "
+                              f"replica) with 0 <= replica < replicas, got {layout!r}")
 
 
 def test_eval_argument_errors_name_the_value_and_what_is_expected():

@@ -2,6 +2,8 @@
 ``load_segmented_checkpoints`` merges one save's files into a network of any stage count, or one
 device's, and training continues as the uninterrupted single-device run (bit for bit: the
 micro-batches' gradients are added in the same order)."""
+import warnings
+
 import numpy as np
 import pytest
 
@@ -198,6 +200,22 @@ def test_a_stage_file_is_refused_where_it_would_load_stale_or_missing_values(sav
         Model(net, optimizer=models.optimizer(net)).train(1, _dataset(data),
                                                           resume_from=str(directory / "pp-1_2.ckpt"))
 
+    def body():  # a 4-stage pipeline given stage 0's file of a 2-stage save: rank r trains stage r
+        _pipeline_context(4)
+        net = models.resnet(4)
+        try:
+            with warnings.catch_warnings():  # (ranks 2 and 3 read rank 0's file: warned, then refused)
+                warnings.simplefilter("ignore", RuntimeWarning)
+                Model(PipelineCell(net, MICRO), optimizer=models.optimizer(net)).train(
+                    1, _dataset(data), resume_from=str(directory / "pp-1_2.ckpt"))
+        except ValueError as err:
+            return str(err)
+    said = mp.run_threads(4, body, timeout=120)
+    assert "holds pipeline stage 0 of a 2-stage pipeline, but this rank trains stage 0 of a 4-stage pipeline" \
+        in said[0]
+    assert "holds pipeline stage 1 of a 2-stage pipeline, but this rank trains stage 1 of a 4-stage pipeline" \
+        in said[1]
+
 
 def test_a_pipeline_save_needs_the_network_to_say_its_stages(tmp_path):
     def body():
@@ -267,3 +285,25 @@ def test_a_tied_head_resumes_at_its_stage_count_with_the_table_in_both_stages_fi
         assert table in load_checkpoint(str(tmp_path / path)), path
     for rank, got in enumerate(mp.run_threads(2, body, True, timeout=120)):
         _assert_trained_as_one_device(got, whole[rank], f"rank {rank}")
+
+
+def test_per_parameter_flags_without_an_owning_buffer_go_with_their_stage(tmp_path):
+    # SGD's "stat.<name>" flags are registered by key, not as buffers of a parameter: each stage's file holds
+    # its parameters' flags and accumulators, and no stale copy of the other stage's.
+    data = models.batches("mlp", 1, BATCH)
+
+    def body():
+        _pipeline_context(2)
+        net = models.mlp(2)
+        optimizer = nn.SGD(net.trainable_params(), learning_rate=0.1, momentum=0.9)
+        Model(PipelineCell(net, MICRO), optimizer=optimizer).train(
+            1, _dataset(data), callbacks=[ModelCheckpoint("sgd", str(tmp_path))])
+        return sorted(p.name for p in optimizer.parameters
+                      if StagePlan(net, 2).stage_of_parameter[id(p)] == mp.get_rank())
+
+    mine = mp.run_threads(2, body, timeout=60)
+    for stage, name in enumerate(["sgd-1_1.ckpt", "sgd-1_1_rank1.ckpt"]):
+        entries = set(load_checkpoint(str(tmp_path / name)))
+        assert {e for e in entries if e.startswith("stat.")} == {f"stat.{p}" for p in mine[stage]}
+        assert {e for e in entries if e.startswith("accum.")} == {f"accum.{p}" for p in mine[stage]}
+        assert "global_step" in entries

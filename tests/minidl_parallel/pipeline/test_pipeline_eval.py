@@ -230,7 +230,8 @@ def test_a_metric_without_statistics_is_refused_under_a_pipeline():
 
     with pytest.raises(TypeError, match=r"metric 'median' \(Median\) cannot be combined over the 2 ranks of an "
                                         r"evaluation whose outputs live on some ranks \(a pipeline's last stage\): it "
-                                        r"defines no statistics\(\)"):
+                                        r"defines no statistics\(\) and finish\(statistics\) \(see "
+                                        r"minidl.train.metrics.Metric\); define them$"):
         mp.run_threads(2, body, timeout=60)
 
 
@@ -275,3 +276,42 @@ def test_eval_through_stages_cut_by_shard_strategies_returns_one_devices_metrics
     for rank, got in enumerate(mp.run_threads(4, body, timeout=120)):
         assert got["rows"] == want["rows"] == 16 and got["acc"] == want["acc"] and got["top2"] == want["top2"], rank
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-10, abs=0), (rank, got, want)  # float64
+
+
+def test_two_replicas_reading_one_shard_are_refused_naming_each_replicas_reads():
+    """Each replica's ranks agree on their shard, but both replicas read shard 0: its rows would count twice."""
+    def body():
+        _pipeline_context(2)
+        return _pipelined_model(models.mlp(2)).eval(_dataset(num_shards=2, shard_id=0))
+
+    with pytest.raises(ValueError, match=r"each of the 2 shards one replica, but replica 0: shard 0 by 2 rank\(s\); "
+                                         r"replica 1: shard 0 by 2 rank\(s\); pass each rank's replica as shard_id$"):
+        mp.run_threads(4, body, timeout=60)
+
+
+class _Batches:
+    """A dataset with only the contract's methods (no num_shards, no padding marks): every rank reads it whole."""
+
+    def __init__(self):
+        self.x, self.y = _data()
+
+    def get_col_names(self):
+        return ["x", "y"]
+
+    def get_dataset_size(self):
+        return 3
+
+    def epoch_iterator(self, epoch, skip_batches=0, output_numpy=False):
+        for start in range(8 * skip_batches, ROWS, 8):
+            yield self.x[start:start + 8], self.y[start:start + 8]
+
+
+def test_a_dataset_of_the_contract_alone_is_read_whole_and_counted_once_per_replica():
+    want = _one_device()
+
+    def body():
+        _pipeline_context(2)
+        return _pipelined_model(models.mlp(2)).eval(_Batches())
+
+    for got in mp.run_threads(4, body, timeout=120):
+        _assert_same(got, want)

@@ -299,3 +299,27 @@ def test_a_sharded_tensor_carries_its_global_shape_and_layout():
     for shape, local, sharded, layout, detached, out_sharded in _on_ranks(4, fn):
         assert (shape, local, sharded, detached) == ((32, 16), (16, 16), True, (32, 16))
         assert layout == "(b, -) on [2, 2, 1]"
+
+
+class _TakesWeight(nn.Cell):
+    """An outermost cell handed a weight as an argument (a tied table passed in): x @ w."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmul = ops.MatMul()
+
+    def construct(self, x, w):
+        return self.matmul(x, w)
+
+
+def test_a_parameter_passed_to_the_outermost_cell_stays_whole_not_a_batch_block():
+    # Only the data inputs are the dataset's batch blocks: a weight argument is tagged by its own use.
+    x, _ = _data(16)
+    w = np.random.default_rng(3).standard_normal((32, 8))
+
+    def fn():
+        weight = Parameter(Tensor(w.copy()), name="w")
+        return host(full_value(_TakesWeight()(_local_x(x), weight))), weight.data.shape
+    for out, shape in _on_ranks(2, fn, mode="semi_auto_parallel"):
+        np.testing.assert_allclose(out, x @ w, rtol=1e-12)
+        assert shape == (32, 8)

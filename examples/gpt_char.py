@@ -26,6 +26,12 @@ global batch, and the training, are those of one process run with ``--batch batc
 once). The losses printed are the global batch's (the ranks' losses averaged, one 8-byte
 all-reduce per printed line), once, by rank 0; the held-out windows are sharded the same way.
 ``--save PATH`` writes the network's parameters at the end (rank 0; every rank holds the same).
+``--ckpt-dir DIR`` saves the training state every ``--ckpt-steps`` steps (every rank its own file,
+``save_train_state``, with the loop's data generator and losses in ``append_dict``); under
+``python -m minidl_parallel.run --max-restarts K`` a restarted job continues from the newest one
+every rank wrote (``minidl.train.resume_after_restart``, one call before the first step) and ends
+with the parameters of a run that never failed, bit for bit (data parallel, with --zero, whose
+checkpoints gather each weight and its state whole, and with --pipeline; docs/reliability.md).
 
 ``--recompute`` makes every Transformer block recompute itself in backward (``cell.recompute()``):
 less activation memory for one more forward of each block, and the same losses and parameters
@@ -63,6 +69,7 @@ combine with --pipeline or --micro-batches here (refused when parsed).
 """
 import contextlib
 import argparse
+import json
 import os
 import time
 
@@ -72,6 +79,8 @@ import minidl
 from minidl import amp, nn, Tensor
 from minidl.models.gpt import GPT
 from minidl.runtime import get_runtime
+from minidl.train import resume_after_restart, save_train_state
+from minidl.train.checkpoint import rank_checkpoint_path
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sonnets.txt")
 LOSS_SCALES = {"none": None, "fixed": amp.FixedLossScaleManager, "dynamic": amp.DynamicLossScaleManager}
@@ -136,6 +145,9 @@ def parse_args(argv=None):
     parser.add_argument("--zero-threshold", type=int, default=64,
                         help="with --zero: parameters under this many KB stay whole (parallel_optimizer_threshold)")
     parser.add_argument("--save", help="write the network's parameters here at the end (rank 0)")
+    parser.add_argument("--ckpt-dir", help="save the training state here every --ckpt-steps steps (every rank its "
+                                           "own file); a restarted job continues from the newest one")
+    parser.add_argument("--ckpt-steps", type=int, default=100, help="steps between checkpoints (default 100)")
     parser.add_argument("--parallel", choices=["auto", "none"], default="auto",
                         help="auto: data parallel when launched by mpirun / minidl_parallel.run or inside an "
                              "initialised world (needs minidl_parallel); none: never")
@@ -147,7 +159,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.zero_threshold < 0:
         parser.error(f"--zero-threshold must be >= 0, got {args.zero_threshold}")
-    for name in ("steps", "batch", "block", "layers", "heads", "embd", "eval_every", "pipeline"):
+    for name in ("steps", "batch", "block", "layers", "heads", "embd", "eval_every", "pipeline", "ckpt_steps"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     check_pipeline_args(parser, args)
@@ -257,6 +269,34 @@ def mean_over_ranks(value, ranks):
     return float(get_runtime().sum_over_ranks(np.array([value], dtype=np.float64))[0]) / ranks
 
 
+def save_state(args, step, train_step, opt, rng, losses, skipped, rank, ranks):
+    """This rank's training state after ``step`` (``gpt-1_{step}.ckpt``, ``_rank{r}`` on rank r > 0): the
+    parameters and optimizer state (and the loss scale), minidl's random state, and what this loop keeps
+    itself: its data generator's state, the losses so far and the skipped steps. Keeps the last two."""
+    state = {"data_rng": json.dumps(rng.bit_generator.state), "losses": json.dumps(losses), "skipped": skipped,
+             "rank": rank, "group_size": ranks}
+    path = rank_checkpoint_path(os.path.join(args.ckpt_dir, f"gpt-1_{step}.ckpt"), rank)
+    # (under --zero each weight and its state gathered whole, a collective: the restart slices them anew)
+    save_train_state(path, train_step, opt, 1, step, step, args.steps, append_dict=state,
+                     integrated_save=args.zero is not None)
+    old = rank_checkpoint_path(os.path.join(args.ckpt_dir, f"gpt-1_{step - 2 * args.ckpt_steps}.ckpt"), rank)
+    if os.path.exists(old):
+        os.remove(old)
+
+
+def resume_state(args, train_step, opt, rng, say):
+    """After a launcher's restart, the newest state every rank saved, loaded: (steps done, losses,
+    skipped); (0, {}, 0) on a first attempt or when there is none."""
+    resumed = resume_after_restart(args.ckpt_dir, train_step, opt, prefix="gpt", who="gpt_char.py")
+    if resumed is None:
+        return 0, {}, 0
+    path, position = resumed
+    state = minidl.load_checkpoint_metadata(path)
+    rng.bit_generator.state = json.loads(state["data_rng"])
+    losses = {int(step): tuple(pair) for step, pair in json.loads(state["losses"]).items()}
+    return position.global_step, losses, int(state["skipped"])
+
+
 def main(argv=None):
     """Trains and samples; returns ``{"losses": {step: (train, held-out)}, "params": {name: array}}``."""
     args = parse_args(argv)
@@ -311,9 +351,12 @@ def main(argv=None):
     elif ranks > 1:
         say(f"data parallel on {ranks} ranks: batch {args.batch} per rank, global batch {args.batch * ranks}")
     train_step.set_train(True)
-    losses, skipped = {}, 0
+    losses, skipped, done = {}, 0, 0
+    if args.ckpt_dir:
+        os.makedirs(args.ckpt_dir, exist_ok=True)
+        done, losses, skipped = resume_state(args, train_step, opt, rng, say)
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(done + 1, args.steps + 1):
         out = train_step(*data.batch("train", args.batch, args.block, rng, replica, replicas))
         loss = out if manager is None else out[0]
         skipped += manager is not None and bool(out[1])
@@ -328,6 +371,8 @@ def main(argv=None):
             losses[step] = (train, val)
             say(f"step {step:4d}  train loss {train:.3f}  held-out loss {val:.3f}  "
                 f"({time.perf_counter() - start:.0f} s)")
+        if args.ckpt_dir and step % args.ckpt_steps == 0:
+            save_state(args, step, train_step, opt, rng, losses, skipped, rank, ranks)
     if manager is not None:
         say(f"loss scale {float(train_step.scale_sense.asnumpy().reshape(-1)[0]):g}, "
             f"{skipped} of {args.steps} steps skipped (overflow)")

@@ -5,6 +5,8 @@
     python examples/resnet_cifar.py --arch resnet18 --device GPU --ckpt-dir ckpt --resume-from ckpt/resnet-3_390.ckpt
     mpirun -n 8 python examples/resnet_cifar.py --log-file log.jsonl  # data parallel: 8 processes (MPI or NCCL)
     mpirun -n 4 python examples/resnet_cifar.py --pipeline 2          # 2 pipeline stages x 2 data-parallel replicas
+    python -m minidl_parallel.run -n 8 --max-restarts 3 examples/resnet_cifar.py --ckpt-dir ckpt --ckpt-steps 10
+                                               # survives 3 lost ranks: resumes from ckpt, ends bit-identical
 
 With --data-path it reads the official CIFAR-10 binary release (the unpacked
 `cifar-10-batches-bin/` folder), trains with random crops and flips, and evaluates on the
@@ -42,6 +44,11 @@ and every rank then evaluates the whole evaluation set with the whole network (t
 every rank; no per-epoch evaluation under a pipeline). With --ckpt-dir each rank saves its stage's
 part (``resnet20-E_S.ckpt`` and ``_rank{r}`` beside it); --resume-from continues at the same stage
 count, and ``minidl_parallel.load_segmented_checkpoints`` loads the files into any other.
+
+Under ``python -m minidl_parallel.run --max-restarts K`` with ``--ckpt-dir``, a job that loses a rank
+restarts and ``Model.train`` resumes by itself from the newest checkpoint every rank wrote
+(``--ckpt-steps`` sets how often: a restart repeats at most the steps since the last one); the
+final parameters equal the uninterrupted run's, bit for bit (docs/reliability.md#restarts).
 """
 import argparse
 
@@ -68,7 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--num-samples", type=int, default=640, help="size of the synthetic training set")
     p.add_argument("--device", choices=["CPU", "GPU"], default=None, help="default: GPU when CuPy sees one")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--ckpt-dir", help="save a checkpoint every epoch into this folder")
+    p.add_argument("--ckpt-dir", help="save a checkpoint every epoch (or --ckpt-steps) into this folder")
+    p.add_argument("--ckpt-steps", type=int, help="save every this many steps (default: every epoch)")
     p.add_argument("--resume-from", help="a checkpoint written by --ckpt-dir to continue from")
     p.add_argument("--log-file", help="write one JSON line per step (plot with python -m minidl.plot); rank 0 "
                                       "writes it, or every rank its own when the name holds {rank}")
@@ -80,8 +88,8 @@ def parse_args(argv=None):
                    help="micro-batches per step (default P, at least P); --batch-size is cut into them")
     p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b", help="the pipeline's schedule")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "num_samples", "pipeline"):
-        if getattr(args, name) <= 0:
+    for name in ("epochs", "batch_size", "num_samples", "pipeline", "ckpt_steps"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.micro_batches is None:
         args.micro_batches = args.pipeline
@@ -241,7 +249,8 @@ def main(argv=None):
     callbacks = [LossMonitor(per_print_times=max(1, steps // 4), rank0_only=True), TimeMonitor(rank0_only=True)]
     if args.ckpt_dir:
         callbacks.append(ModelCheckpoint(prefix=args.arch, directory=args.ckpt_dir,
-                                         config=CheckpointConfig(save_checkpoint_steps=steps, keep_checkpoint_max=3)))
+                                         config=CheckpointConfig(save_checkpoint_steps=args.ckpt_steps or steps,
+                                                                 keep_checkpoint_max=3)))
     if args.pipeline > 1:
         train_pipeline(args, model, pipeline, net, loss_fn, train_ds, callbacks, say)
     elif test_ds is not None:

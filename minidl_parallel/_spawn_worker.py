@@ -16,7 +16,8 @@ Protocol, all over the parent intercommunicator:
 1. HELLO (worker -> launcher): ``(pid, host)``, as soon as MPI is up (in run mode after the
    worker's output is redirected, so the launcher can follow rank 0's log from its start).
 2. JOB (launcher -> worker): what to run, a dict: ``{"script", "argv", "sys_path_append"}``
-   for run, ``{"main", "sys_path", "sys_argv", "call"}`` (``call``: the pickled fn and args) for spawn.
+   for run, ``{"main", "sys_path", "sys_argv", "call"}`` (``call``: the pickled fn and args) for spawn;
+   both with ``"env"``, variables set before the user's code runs (``MINIDL_RESTART_COUNT``).
 3. HEAD + BODY (worker -> launcher): the exit record when the user's code has ended: HEAD is
    8 bytes (the body's length), BODY the pickled dict ``{"kind": "ok" |
    "raised" | "exit", "status", "error", "traceback", "result"}``. Both are synchronous
@@ -243,6 +244,9 @@ def main(argv):
     if log_dir:
         worker.redirect_output()
     job = worker.hello()
+    # The launcher's word for the user's code (MINIDL_RESTART_COUNT: which restart this is). It travels in
+    # the job: after the first spawn, Open MPI's runtime starts workers with its own, older environment.
+    os.environ.update(job.get("env", {}))
     worker.disconnect_at_exit()
     if mode == "script":
         worker.run_script(job)

@@ -24,7 +24,8 @@ import socket
 import sys
 
 # Imported by name: once the package exports the function spawn, `from . import spawn` is that function.
-from .spawning import ROOT_VARIABLES, START_TIMEOUT_S, SpawnError, check_root, init_mpi, start_workers
+from .restarts import RESTART_DELAY_S, MAX_RESTART_DELAY_S, RestartLog, with_restarts
+from .spawning import ROOT_VARIABLES, START_TIMEOUT_S, SpawnError, check_root, init_mpi, spawning_stuck, start_workers
 from .context import launched_under_mpi
 
 __all__ = ["main"]
@@ -49,6 +50,13 @@ def _parser():
     parser.add_argument("--allow-run-as-root", dest="allow_run_as_root", action="store_true",
                         help="as mpirun's flag: let Open MPI start workers as root (sets "
                              + " and ".join(f"{v}=1" for v in ROOT_VARIABLES) + ")")
+    parser.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
+                        help="restart the whole job this many times when it fails (a worker raised, exited "
+                             "non-zero, was killed, a collective timed out); Model.train with a ModelCheckpoint "
+                             "resumes from the newest checkpoint every rank has (default 0)")
+    parser.add_argument("--restart-delay", dest="restart_delay", type=float, default=RESTART_DELAY_S,
+                        help=f"seconds before the first restart, doubled for each next one, at most "
+                             f"{MAX_RESTART_DELAY_S:g} (default {RESTART_DELAY_S:g})")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return parser
@@ -61,10 +69,13 @@ def _check(parser, args):
         parser.error(f"script {args.script!r}: no such file (relative to {os.getcwd()})")
     if args.hostfile is not None and not os.path.isfile(args.hostfile):
         parser.error(f"--hostfile {args.hostfile!r}: no such file (relative to {os.getcwd()})")
-    for name in ("timeout", "start_timeout"):
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0 (0: no restarts), got {args.max_restarts}")
+    for name in ("timeout", "start_timeout", "restart_delay"):
         value = getattr(args, name)
         if not 0 <= value < float("inf"):
-            parser.error(f"--{name.replace('_', '-')} must be a number of seconds >= 0 (0: no limit), got {value}")
+            what = "" if name == "restart_delay" else " (0: no limit)"
+            parser.error(f"--{name.replace('_', '-')} must be a number of seconds >= 0{what}, got {value}")
 
 
 class _Follow:
@@ -133,16 +144,38 @@ def main(argv=None):
     # script's folder and PYTHONPATH come first, as under mpirun).
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     job = {"script": os.path.abspath(args.script), "argv": list(args.script_args), "sys_path_append": [package_root]}
+    restart_log = RestartLog(os.path.join(log_dir, "restarts.jsonl"))
+
+    def attempt(r):
+        # Each attempt's logs apart: the first in log_dir, restart r's in log_dir/restart.r
+        attempt_dir = log_dir if r == 0 else os.path.join(log_dir, f"restart.{r}")
+        return _attempt(MPI, args, dict(job, env=restart_log.env(r)), attempt_dir, restart_log)
+
+    try:
+        error = with_restarts(attempt, args.max_restarts, args.restart_delay, _say, PROG,
+                              can_restart=lambda e: e.status != 130 and not spawning_stuck())
+    except KeyboardInterrupt:  # (in the backoff)
+        _say("interrupted; not restarting")
+        return 130
+    finally:
+        restart_log.close()
+    if error is None:
+        return 0
+    _say(str(error).removeprefix(f"{PROG}: "))
+    return error.status if isinstance(error.status, int) and 0 < error.status < 256 else 1
+
+
+def _attempt(MPI, args, job, log_dir, restart_log):
+    """Starts the workers once and waits for them; returns None or the SpawnError saying what failed."""
     shown = os.path.relpath(log_dir)
     shown = log_dir if shown.startswith("..") else shown
     _say(f"starting {args.n} workers; their output goes to {shown}/rank.N/stdout and stderr, rank 0's also here")
     try:
         workers = start_workers(MPI, args.n, "script", [job] * args.n, who=PROG, log_dir=log_dir,
-                                         hostfile=None if args.hostfile is None else os.path.abspath(args.hostfile),
-                                         start_timeout=args.start_timeout)
+                                hostfile=None if args.hostfile is None else os.path.abspath(args.hostfile),
+                                start_timeout=args.start_timeout)
     except SpawnError as exc:
-        _say(str(exc).removeprefix(f"{PROG}: "))
-        return 1
+        return exc
     follow = {"rank0": None, "noted": False}
     here = socket.gethostname()
 
@@ -155,6 +188,8 @@ def main(argv=None):
                 _say(f"rank 0 runs on {workers.hosts[0]}: its output is in {log_dir}/rank.0/ there")
         if follow["rank0"] is not None:
             follow["rank0"].pump()
+        for line in restart_log.news():
+            _say(line)
 
     try:
         error = workers.wait(timeout=args.timeout, start_timeout=args.start_timeout, on_tick=tick)
@@ -165,11 +200,10 @@ def main(argv=None):
         follow["rank0"].close()
     if error is None:
         workers.close()
-        return 0
-    _say(str(error).removeprefix(f"{PROG}: ") + f"\n(each rank's output: {shown}/rank.N/stdout and stderr)")
+        return None
+    error.args = (f"{error}\n(each rank's output: {shown}/rank.N/stdout and stderr)",) + error.args[1:]
     workers.abandon()
-    return error.status if isinstance(error.status, int) and 0 < error.status < 256 else 1
-
+    return error
 
 if __name__ == "__main__":
     sys.exit(main())

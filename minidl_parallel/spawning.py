@@ -36,12 +36,14 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import warnings
 
 from . import _spawn_worker as protocol
 from .context import launched_under_mpi
+from .restarts import RESTART_DELAY_S, RestartLog, check_restart_options, with_restarts
 
 __all__ = ["spawn", "SpawnError"]
 
@@ -196,6 +198,11 @@ def _path_set_to(path):
             del os.environ["PATH"]
         else:
             os.environ["PATH"] = previous
+
+
+def spawning_stuck():
+    """Whether an MPI call given up on still holds MPI here, so no more workers can be started."""
+    return bool(_stuck)
 
 
 def _end_without_finalize():
@@ -443,7 +450,7 @@ class Workers:
 
 # ---- spawn --------------------------------------------------------------------------------
 
-def _check_args(fn, nprocs, args, timeout, start_timeout):
+def _check_args(fn, nprocs, args, timeout, start_timeout, max_restarts, restart_delay):
     if not callable(fn):
         raise TypeError(f"spawn: fn must be callable (it is called as fn(rank, *args)), got {fn!r}")
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
@@ -454,6 +461,7 @@ def _check_args(fn, nprocs, args, timeout, start_timeout):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not 0 <= value < float("inf")):
             raise ValueError(f"spawn: {name} must be None or a number of seconds >= 0 (0: no limit), got {value!r}")
+    check_restart_options("spawn", max_restarts, restart_delay)
 
 
 def parent_main():
@@ -480,7 +488,8 @@ def _pickle_call(fn, args, main):
                         f"function), and args picklable") from exc
 
 
-def spawn(fn, nprocs, args=(), *, timeout=None, start_timeout=START_TIMEOUT_S):
+def spawn(fn, nprocs, args=(), *, timeout=None, start_timeout=START_TIMEOUT_S, max_restarts=0,
+          restart_delay=RESTART_DELAY_S):
     """Runs ``fn(rank, *args)`` in ``nprocs`` new processes that form one MPI world; returns
     the list of fn's return values in rank order.
 
@@ -509,9 +518,14 @@ def spawn(fn, nprocs, args=(), *, timeout=None, start_timeout=START_TIMEOUT_S):
             raised (None or 0: no limit; a stalled collective inside fn is ended by the
             collective timeout anyway).
         start_timeout: seconds the workers may take to start (default 60; 0: no limit).
+        max_restarts: when the workers fail, end them and start all of them again, this many
+            times at most (torchrun's ``--max-restarts``); attempt r runs with
+            ``MINIDL_RESTART_COUNT=r``, and ``Model.train`` with a ``ModelCheckpoint`` resumes
+            from the newest checkpoint every rank has (see minidl_parallel/restarts.py).
+        restart_delay: seconds before the first restart, doubled for each next one (at most 60).
 
     Returns:
-        ``[fn(0, *args), fn(1, *args), ..., fn(nprocs - 1, *args)]``.
+        ``[fn(0, *args), fn(1, *args), ..., fn(nprocs - 1, *args)]`` (of the attempt that succeeded).
 
     Raises:
         SpawnError: a worker raised (the message names its rank and carries its traceback),
@@ -527,7 +541,7 @@ def spawn(fn, nprocs, args=(), *, timeout=None, start_timeout=START_TIMEOUT_S):
         >>> if __name__ == "__main__":
         ...     spawn(square, 3, args=(10,))     # [10, 11, 14]
     """
-    _check_args(fn, nprocs, args, timeout, start_timeout)
+    _check_args(fn, nprocs, args, timeout, start_timeout, max_restarts, restart_delay)
     if launched_under_mpi() or os.environ.get("OMPI_PARENT_PORT"):
         raise RuntimeError("spawn: this process is already a rank of an MPI job (started by mpirun, "
                            "python -m minidl_parallel.run or spawn), so it starts no workers of its own; in a script "
@@ -539,7 +553,48 @@ def spawn(fn, nprocs, args=(), *, timeout=None, start_timeout=START_TIMEOUT_S):
     job = {"main": main, "call": _pickle_call(fn, args, main), "sys_argv": list(sys.argv),
            "sys_path": [os.getcwd() if p == "" else p for p in sys.path]}
     MPI = init_mpi("spawn")
-    workers = start_workers(MPI, nprocs, "fn", [job] * nprocs, who="spawn", start_timeout=start_timeout)
+    if not max_restarts:
+        workers = _spawn_once(MPI, nprocs, job, timeout, start_timeout)
+        if isinstance(workers, SpawnError):
+            raise workers
+        return workers.results()
+    succeeded = []
+    handle, path = tempfile.mkstemp(prefix="minidl-restarts-", suffix=".jsonl")
+    os.close(handle)
+    restart_log = RestartLog(path)
+
+    def attempt(r):
+        workers = _spawn_once(MPI, nprocs, dict(job, env=restart_log.env(r)), timeout, start_timeout)
+        for line in restart_log.news():
+            _say_spawn(line)
+        if isinstance(workers, SpawnError):
+            return workers
+        succeeded.append(workers)
+        return None
+
+    try:
+        error = with_restarts(attempt, max_restarts, restart_delay, _say_spawn, "spawn",
+                              can_restart=lambda e: not spawning_stuck())
+    finally:
+        restart_log.close()
+    if error is not None:
+        raise error
+    return succeeded[0].results()
+
+
+def _say_spawn(message):
+    sys.stdout.flush()
+    sys.stderr.write(f"spawn: {message}\n")
+    sys.stderr.flush()
+
+
+def _spawn_once(MPI, nprocs, job, timeout, start_timeout):
+    """Starts the workers and waits for them: the finished Workers, or the SpawnError that says what failed
+    (the workers ended)."""
+    try:
+        workers = start_workers(MPI, nprocs, "fn", [job] * nprocs, who="spawn", start_timeout=start_timeout)
+    except SpawnError as exc:
+        return exc
     try:
         error = workers.wait(timeout=timeout, start_timeout=start_timeout)
     except BaseException:  # noqa: B902 - Ctrl-C while waiting: the workers must not outlive the wait
@@ -547,6 +602,6 @@ def spawn(fn, nprocs, args=(), *, timeout=None, start_timeout=START_TIMEOUT_S):
         raise
     if error is not None:
         workers.abandon()
-        raise error
+        return error
     workers.close()
-    return workers.results()
+    return workers

@@ -12,10 +12,11 @@ from .metrics import (Metric, Accuracy, Loss, TopKCategoricalAccuracy, Top1Categ
                       Top5CategoricalAccuracy, get_metric_fn, get_metrics)
 from .model import Model
 from .progress import ProgressBar, MetricsLogger
+from .restart import restart_count, resume_after_restart
 
 __all__ = ["Model",
            "Callback", "RunContext", "CallbackParam", "CallbackList", "LossMonitor", "TimeMonitor",
            "CheckpointConfig", "ModelCheckpoint", "latest_checkpoint", "save_train_state", "restore_train_state",
            "Metric", "Accuracy", "Loss", "TopKCategoricalAccuracy", "Top1CategoricalAccuracy",
            "Top5CategoricalAccuracy",
-           "get_metric_fn", "get_metrics", "ProgressBar", "MetricsLogger"]
+           "get_metric_fn", "get_metrics", "ProgressBar", "MetricsLogger", "restart_count", "resume_after_restart"]

@@ -19,6 +19,8 @@ hand on one rank stays every rank's starting point):
     rank           the rank that wrote it (0 on one device)
     group_size     the number of ranks of the run (1 on one device)
 
+and, under a restarting launcher, ``run_id``: its job's ``MINIDL_RUN_ID`` (minidl/train/restart.py).
+
 Files are named ``{prefix}-{epoch}_{step_in_epoch}.ckpt``. As in MindSpore, when the
 directory already holds checkpoints with the same prefix, a new ModelCheckpoint writes
 under ``{prefix}_1``, ``{prefix}_2`` ... so that a second run never deletes the first one's.
@@ -66,7 +68,7 @@ __all__ = ["CheckpointConfig", "ModelCheckpoint", "latest_checkpoint", "save_tra
 
 _STATE_KEYS = ("epoch_num", "step_num", "step_in_epoch", "batch_num", "seed", "rng_state")
 # Who wrote the file: lets a rank refuse another rank's file instead of resuming from it silently.
-_RANK_KEYS = ("rank", "group_size")
+_RANK_KEYS = ("rank", "group_size", "run_id")
 # Which part of a pipelined model the file holds (minidl_parallel/pipeline/checkpoint.py writes them).
 _PIPELINE_KEYS = ("pipeline_stages", "pipeline_stage", "pipeline_network")
 _RESERVED_KEYS = _STATE_KEYS + _RANK_KEYS + _PIPELINE_KEYS
@@ -144,6 +146,8 @@ def save_train_state(path, network, optimizer, epoch_num, step_num, step_in_epoc
                 rng_state=json.dumps(backend.rng().bit_generator.state))
     if segment is not None:
         meta.update(segment.metadata)
+    if os.environ.get("MINIDL_RUN_ID"):  # (a restarting launcher's job: its restarts resume from its own files)
+        meta["run_id"] = os.environ["MINIDL_RUN_ID"]
     save_checkpoint(_state_tensors(who, network, optimizer, segment), path, append_dict=meta,
                     integrated_save=integrated_save)
 
@@ -466,6 +470,7 @@ class ModelCheckpoint(Callback):
         # This process's proposal; under several ranks sharing the directory, on_train_begin
         # replaces it with the lowest such rank's (listings taken at different moments differ).
         self._prefix = _unique_prefix(self._directory, prefix)
+        self._base_prefix = prefix  # (a restart resumes from the files of prefix and of every prefix_N)
         self._saved = []  # (path, time) of the files this callback wrote and still keeps
         self._latest_ckpt_file_name = ""
         self._last_triggered_step = 0

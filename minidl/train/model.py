@@ -79,7 +79,8 @@ from ..dataset.iterators import drop_padding
 from ..runtime import get_runtime
 from ..tensor import Tensor, no_grad
 from .callbacks import CallbackList, CallbackParam, RunContext
-from .checkpoint import restore_train_state
+from .checkpoint import ModelCheckpoint, restore_train_state
+from .restart import restart_checkpoint
 from .metrics import Loss, get_metrics, has_statistics
 from .progress import MetricsLogger, ProgressBar, use_progress_bar
 
@@ -460,6 +461,8 @@ class Model:
         if self._loss_fn is None:
             _check_network_takes(self._network, list(dataset.get_col_names()))
         cbs = CallbackList(callbacks, "Model.train")
+        if resume_from is None:  # restarted by a launcher: from the newest checkpoint every rank has whole
+            resume_from = _restart_checkpoint(cbs.callbacks)
         extra = []
         if log_file is not None:
             extra.append(MetricsLogger(log_file, mode="a" if resume_from is not None else "w"))
@@ -809,3 +812,12 @@ class Model:
         self._network.set_train(False)
         with no_grad():
             return self._network(*[_as_tensor(x) for x in inputs])
+
+
+def _restart_checkpoint(callbacks):
+    """On a launcher's restart, the checkpoint of the first ModelCheckpoint to resume from (None:
+    a first attempt, no ModelCheckpoint, or no checkpoint every rank has whole)."""
+    saver = next((cb for cb in callbacks if isinstance(cb, ModelCheckpoint)), None)
+    if saver is None:
+        return None
+    return restart_checkpoint(saver.directory, saver._base_prefix, "Model.train")

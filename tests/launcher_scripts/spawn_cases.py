@@ -9,6 +9,9 @@ raise, exit3, kill9: rank 1 of 2 raises ValueError, calls sys.exit(3) or kills i
 startfail: values with start_timeout=3, for a test whose workers end before MPI_Init.
 path: 2 workers return their PATH; the value is {"workers": [their PATHs], "before": this
         process's PATH before the spawn, "after": after it}.
+restarts: spawn(max_restarts=2): rank 1 calls sys.exit(3) on the first two attempts; the third
+        returns each rank's MINIDL_RESTART_COUNT.
+exhausted: spawn(max_restarts=1): rank 1 calls sys.exit(3) on every attempt.
 """
 import json
 import os
@@ -45,6 +48,19 @@ def fail_on_rank_1(rank, how):
     return "the all-reduce returned, which it must not"
 
 
+def fail_until(rank, attempts):
+    """Rank 1 exits with status 3 while MINIDL_RESTART_COUNT < attempts; returns the count."""
+    import numpy as np
+
+    import minidl_parallel as mp
+    comm = mp.init()
+    count = int(os.environ["MINIDL_RESTART_COUNT"])
+    if rank == 1 and count < attempts:
+        sys.exit(3)
+    comm.allreduce(np.ones(1))
+    return {"restart": count, "run_id": os.environ["MINIDL_RUN_ID"]}
+
+
 def worker_path(rank):
     return os.environ.get("PATH")
 
@@ -57,6 +73,10 @@ def run_case(name):
         elif name == "path":
             before = os.environ.get("PATH")
             value = {"workers": spawn(worker_path, 2), "before": before, "after": os.environ.get("PATH")}
+        elif name == "restarts":
+            value = spawn(fail_until, 2, args=(2,), max_restarts=2, restart_delay=0)
+        elif name == "exhausted":
+            value = spawn(fail_until, 2, args=(99,), max_restarts=1, restart_delay=0)
         elif name == "startfail":
             value = spawn(allreduce_rank, 2, args=(0,), start_timeout=3)
         else:

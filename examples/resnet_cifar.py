@@ -70,7 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--data-path", help="the cifar-10-batches-bin folder; default: synthetic data")
     p.add_argument("--arch", choices=sorted(ARCHS), default="resnet20")
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank (per replica with --pipeline)")
+    p.add_argument("--global-batch-size", type=int,
+                   help="the batch of all replicas together, cut evenly among them (instead of --batch-size): "
+                        "kept when an elastic restart changes the number of ranks")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--num-samples", type=int, default=640, help="size of the synthetic training set")
     p.add_argument("--device", choices=["CPU", "GPU"], default=None, help="default: GPU when CuPy sees one")
@@ -88,7 +91,7 @@ def parse_args(argv=None):
                    help="micro-batches per step (default P, at least P); --batch-size is cut into them")
     p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b", help="the pipeline's schedule")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "num_samples", "pipeline", "ckpt_steps"):
+    for name in ("epochs", "batch_size", "num_samples", "pipeline", "ckpt_steps", "global_batch_size"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.micro_batches is None:
@@ -205,6 +208,14 @@ def main(argv=None):
     # stages of replica r read its shard).
     replicas = size // args.pipeline
     replica = rank % replicas
+    if args.global_batch_size:
+        if args.global_batch_size % replicas:
+            raise SystemExit(f"--global-batch-size {args.global_batch_size} must be a multiple of the {replicas} "
+                             f"data-parallel replica(s)")
+        args.batch_size = args.global_batch_size // replicas
+        if args.batch_size % args.micro_batches:
+            raise SystemExit(f"--global-batch-size {args.global_batch_size} gives {args.batch_size} per replica, not a "
+                             f"multiple of --micro-batches {args.micro_batches}")
 
     def say(message):
         """This script's messages: once per job, from rank 0 (as the monitors below print)."""

@@ -24,6 +24,7 @@ import socket
 import sys
 
 # Imported by name: once the package exports the function spawn, `from . import spawn` is that function.
+from .elastic import ELASTIC_TIMEOUT_S, ElasticError, ElasticWorld
 from .restarts import RESTART_DELAY_S, MAX_RESTART_DELAY_S, RestartLog, with_restarts
 from .spawning import ROOT_VARIABLES, START_TIMEOUT_S, SpawnError, check_root, init_mpi, spawning_stuck, start_workers
 from .context import launched_under_mpi
@@ -57,6 +58,17 @@ def _parser():
     parser.add_argument("--restart-delay", dest="restart_delay", type=float, default=RESTART_DELAY_S,
                         help=f"seconds before the first restart, doubled for each next one, at most "
                              f"{MAX_RESTART_DELAY_S:g} (default {RESTART_DELAY_S:g})")
+    parser.add_argument("--min-np", dest="min_np", type=int,
+                        help="elastic: the fewest workers a restart may run with (default -n; needs "
+                             "--host-discovery-script)")
+    parser.add_argument("--max-np", dest="max_np", type=int,
+                        help="elastic: the most workers a restart may run with (default -n)")
+    parser.add_argument("--host-discovery-script", dest="host_discovery_script",
+                        help="elastic: an executable printing the hosts that can take workers now, one host:slots "
+                             "per line (Horovod's); run before every attempt")
+    parser.add_argument("--elastic-timeout", dest="elastic_timeout", type=float, default=ELASTIC_TIMEOUT_S,
+                        help=f"elastic: seconds to wait for --min-np slots before giving up "
+                             f"(default {ELASTIC_TIMEOUT_S:g})")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return parser
@@ -71,11 +83,31 @@ def _check(parser, args):
         parser.error(f"--hostfile {args.hostfile!r}: no such file (relative to {os.getcwd()})")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0 (0: no restarts), got {args.max_restarts}")
-    for name in ("timeout", "start_timeout", "restart_delay"):
+    _check_elastic(parser, args)
+    for name in ("timeout", "start_timeout", "restart_delay", "elastic_timeout"):
         value = getattr(args, name)
         if not 0 <= value < float("inf"):
             what = "" if name == "restart_delay" else " (0: no limit)"
             parser.error(f"--{name.replace('_', '-')} must be a number of seconds >= 0{what}, got {value}")
+
+
+def _check_elastic(parser, args):
+    elastic = [f"--{name.replace('_', '-')}" for name in ("min_np", "max_np") if getattr(args, name) is not None]
+    if args.host_discovery_script is None:
+        if elastic:
+            parser.error(f"{' and '.join(elastic)} need --host-discovery-script (the hosts each restart may use)")
+        return
+    script = args.host_discovery_script
+    if args.hostfile is not None:
+        parser.error("--hostfile and --host-discovery-script do not combine: the discovery script names the hosts of "
+                     "each attempt (the launcher writes their hostfile)")
+    if not os.path.isfile(script) or not os.access(script, os.X_OK):
+        parser.error(f"--host-discovery-script {script!r}: not an executable file (relative to {os.getcwd()})")
+    args.min_np = args.n if args.min_np is None else args.min_np
+    args.max_np = args.n if args.max_np is None else args.max_np
+    if not 1 <= args.min_np <= args.n <= args.max_np:
+        parser.error(f"expected 1 <= --min-np <= -n <= --max-np, got --min-np {args.min_np}, -n {args.n}, "
+                     f"--max-np {args.max_np}")
 
 
 class _Follow:
@@ -146,14 +178,25 @@ def main(argv=None):
     job = {"script": os.path.abspath(args.script), "argv": list(args.script_args), "sys_path_append": [package_root]}
     restart_log = RestartLog(os.path.join(log_dir, "restarts.jsonl"))
 
+    elastic = None if args.host_discovery_script is None else ElasticWorld(
+        os.path.abspath(args.host_discovery_script), args.n, args.min_np, args.max_np, log_dir, _say,
+        args.elastic_timeout)
+
     def attempt(r):
         # Each attempt's logs apart: the first in log_dir, restart r's in log_dir/restart.r
         attempt_dir = log_dir if r == 0 else os.path.join(log_dir, f"restart.{r}")
-        return _attempt(MPI, args, dict(job, env=restart_log.env(r)), attempt_dir, restart_log)
+        n, hostfile = args.n, None if args.hostfile is None else os.path.abspath(args.hostfile)
+        if elastic is not None:
+            try:
+                n, hostfile = elastic.attempt(r)
+            except ElasticError as exc:
+                return exc
+        return _attempt(MPI, args, n, hostfile, dict(job, env=restart_log.env(r)), attempt_dir, restart_log)
 
     try:
         error = with_restarts(attempt, args.max_restarts, args.restart_delay, _say, PROG,
-                              can_restart=lambda e: e.status != 130 and not spawning_stuck())
+                              can_restart=lambda e: e.status != 130 and not spawning_stuck()
+                              and not isinstance(e, ElasticError))
     except KeyboardInterrupt:  # (in the backoff)
         _say("interrupted; not restarting")
         return 130
@@ -165,14 +208,13 @@ def main(argv=None):
     return error.status if isinstance(error.status, int) and 0 < error.status < 256 else 1
 
 
-def _attempt(MPI, args, job, log_dir, restart_log):
-    """Starts the workers once and waits for them; returns None or the SpawnError saying what failed."""
+def _attempt(MPI, args, n, hostfile, job, log_dir, restart_log):
+    """Starts n workers once and waits for them; returns None or the SpawnError saying what failed."""
     shown = os.path.relpath(log_dir)
     shown = log_dir if shown.startswith("..") else shown
-    _say(f"starting {args.n} workers; their output goes to {shown}/rank.N/stdout and stderr, rank 0's also here")
+    _say(f"starting {n} workers; their output goes to {shown}/rank.N/stdout and stderr, rank 0's also here")
     try:
-        workers = start_workers(MPI, args.n, "script", [job] * args.n, who=PROG, log_dir=log_dir,
-                                hostfile=None if args.hostfile is None else os.path.abspath(args.hostfile),
+        workers = start_workers(MPI, n, "script", [job] * n, who=PROG, log_dir=log_dir, hostfile=hostfile,
                                 start_timeout=args.start_timeout)
     except SpawnError as exc:
         return exc

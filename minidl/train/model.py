@@ -412,7 +412,11 @@ class Model:
                 step by step here.
             resume_from: a checkpoint written by ModelCheckpoint: parameters, optimizer
                 state, position and random state are restored, and training continues
-                after its last step (on CPU bit-identically to a run never interrupted).
+                after its last step (on CPU bit-identically to a run never interrupted). One
+                written by another number of ranks continues the epoch at the same share of its
+                steps. Under a restarting launcher (``MINIDL_RESTART_COUNT`` > 0) with a
+                ModelCheckpoint among the callbacks, None means the newest checkpoint every rank
+                of the job has whole (minidl/train/restart.py).
             log_file: path of a JSON-lines metrics log (appended to when resuming), written by
                 rank 0 alone under data parallelism; ``{rank}`` in the path gives every rank
                 its own file instead (see :class:`~minidl.train.progress.MetricsLogger`).
@@ -473,11 +477,9 @@ class Model:
         start_epoch, skip, global_step = 0, 0, 0
         if resume_from is not None:
             pos = restore_train_state(resume_from, self._train_network, optimizer)
-            if pos.batch_num != batch_num:
-                raise ValueError(f"Model.train: checkpoint {resume_from!r} was trained with {pos.batch_num} steps per "
-                                 f"epoch, but train_dataset has {batch_num}; resume with the same dataset, batch "
-                                 f"size and sharding")
             start_epoch, skip, global_step = pos.epoch, pos.skip_batches, pos.global_step
+            if pos.batch_num != batch_num:
+                skip = _skip_in_another_world(resume_from, pos, batch_num, get_runtime().group_size())
         self.grad_reducer = self._resolve_grad_reducer()
         joined = self._agree_on_steps(epoch, start_epoch, skip, batch_num, uneven_inputs, cbs.callbacks)
         if batch_num == 0 and not joined:
@@ -821,3 +823,14 @@ def _restart_checkpoint(callbacks):
     if saver is None:
         return None
     return restart_checkpoint(saver.directory, saver._base_prefix, "Model.train")
+
+
+def _skip_in_another_world(path, position, batch_num, size):
+    """The steps of the resumed epoch to skip when a checkpoint of ``position.group_size`` ranks resumes on
+    ``size`` (an elastic restart): the same share of the epoch, rounded down (the new shards hold other
+    rows, so the rest of that epoch is not exactly the rows the old world had left). With the same
+    world, other steps per epoch mean another dataset: that raises."""
+    if position.group_size in (None, size):
+        raise ValueError(f"Model.train: checkpoint {path!r} was trained with {position.batch_num} steps per epoch, "
+                         f"but train_dataset has {batch_num}; resume with the same dataset, batch size and sharding")
+    return position.skip_batches * batch_num // position.batch_num

@@ -10,7 +10,9 @@ through :func:`resume_after_restart`, continue from the newest checkpoint that
   name, rank r ``..._rank{r}.ckpt`` in a shared directory),
 - was written by this job (the ``MINIDL_RUN_ID`` the launcher gives every attempt, which
   ``save_train_state`` records; files of an earlier job in the same directory are not used),
-- was written by a run of the same number of ranks, each file by its own rank, and
+- holds each rank's own file (of the ranks of the world that wrote it: after an elastic restart
+  with fewer ranks the others' files are not needed; with more, a new rank starts from rank 0's
+  state), and
 - reads back whole: every tensor's checksum matches (a damaged file is skipped with a warning
   naming it, and the next older checkpoint is tried).
 
@@ -68,26 +70,28 @@ def _candidates(directory, prefix):
     return found
 
 
-def _readable_own_file(path, rank, size, who):
-    """This rank's file of the checkpoint whose rank 0 file is ``path``, or None when it is missing,
-    another rank's or another world size's, or damaged (which warns)."""
+def _readable_file(path, rank, who):
+    """The file this rank loads of the checkpoint whose rank 0 file is ``path``: its own (``_rank{r}``
+    beside it, or the plain name in a directory of its own), or, for a rank beyond the world that
+    wrote it (an elastic restart with more ranks), rank 0's; None when that file is missing, not
+    this job's, or damaged (which warns)."""
     own = rank_checkpoint_path(path, rank)
-    if not os.path.isfile(own):
-        own = path  # ranks with directories of their own all use the plain names
-        if not os.path.isfile(own):
-            return None
+    chosen = own if os.path.isfile(own) else path
+    if not os.path.isfile(chosen):
+        return None
     try:
-        meta = load_checkpoint_metadata(own)
-        # (save_train_state called by hand records no writer: such a file is every rank's, as for resume_from)
-        if "rank" in meta and (meta["rank"] != str(rank) or meta.get("group_size") != str(size)):
-            return None
+        meta = load_checkpoint_metadata(chosen)
         if meta.get("run_id") != os.environ.get(RUN_ID_VARIABLE, meta.get("run_id")):
             return None  # an earlier job's
-        load_file(own)  # every tensor read back and checked against its checksum
+        # (save_train_state called by hand records no writer: such a file is every rank's, as for resume_from)
+        if "rank" in meta and meta["rank"] != str(rank) and not (
+                meta["rank"] == "0" and rank >= int(meta.get("group_size", "1"))):
+            return None  # another rank's file: this rank's own is missing
+        load_file(chosen)  # every tensor read back and checked against its checksum
     except (OSError, ValueError) as exc:
-        warnings.warn(f"{who}: skipped the damaged checkpoint {own}: {exc}", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"{who}: skipped the damaged checkpoint {chosen}: {exc}", RuntimeWarning, stacklevel=4)
         return None
-    return own
+    return chosen
 
 
 def newest_complete_checkpoint(directory, prefix="CKP", who="newest_complete_checkpoint"):
@@ -99,7 +103,7 @@ def newest_complete_checkpoint(directory, prefix="CKP", who="newest_complete_che
     directory = os.fspath(directory)
     found = _candidates(directory, prefix) if os.path.isdir(directory) else {}
     whole = sorted((key for key, name in found.items()
-                    if _readable_own_file(os.path.join(directory, name), rank, size, who) is not None), reverse=True)
+                    if _readable_file(os.path.join(directory, name), rank, who) is not None), reverse=True)
     # Every rank's list, so that all choose the same: the newest key in each of them.
     lists = runtime.gather(whole) if size > 1 else [whole]
     common = set(lists[0]).intersection(*map(set, lists[1:]))

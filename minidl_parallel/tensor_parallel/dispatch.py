@@ -419,7 +419,7 @@ def run_cell(cell, args, kwargs, root=None):
             session = strategy_file.begin(cell, comm, settings, device_num)
             with strategy_file.running(session), saving_plan(cell, list(args) + list(kwargs.values()),
                                                              comm.rank, settings):
-                out = _complete(cell.construct(*args, **kwargs), comm)
+                out = _complete(cell.construct(*args, **kwargs))
             if session is not None:
                 session.finish()
         else:
@@ -429,10 +429,10 @@ def run_cell(cell, args, kwargs, root=None):
     return out
 
 
-def _complete(out, comm):
+def _complete(out):
     """Reduces partial outputs of the outermost Cell (a loss becomes whole on every rank)."""
     if isinstance(out, (tuple, list)):
-        return type(out)(_complete(o, comm) for o in out)
+        return type(out)(_complete(o) for o in out)
     if isinstance(out, Tensor):
         entry = get_layout(out)
         if entry is not None and entry[0].partial:

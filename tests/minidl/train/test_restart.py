@@ -150,11 +150,14 @@ def test_no_checkpoint_trains_from_the_start(tmp_path, restart, capsys):
     assert json.loads((tmp_path / "log.jsonl").read_text()) == {"restart": 1, "checkpoint": None, "step": 0}
 
 
-def test_a_file_of_another_rank_world_size_or_job_is_not_this_ranks(tmp_path, restart, monkeypatch):
+def test_a_file_of_another_rank_or_job_is_not_this_ranks(tmp_path, restart, monkeypatch):
     net, opt, _ = _build()
-    save_train_state(tmp_path / "mlp-1_3.ckpt", net, opt, 1, 3, 3, 5, append_dict={"rank": 0, "group_size": 2})
+    save_train_state(tmp_path / "mlp-1_4.ckpt", net, opt, 1, 4, 4, 5, append_dict={"rank": 1, "group_size": 2})
     save_train_state(tmp_path / "mlp-1_2.ckpt", net, opt, 1, 2, 2, 5)  # by hand: no writer recorded, anyone's
     assert newest_complete_checkpoint(tmp_path, "mlp") == str(tmp_path / "mlp-1_2.ckpt")
+    # rank 0's file of a 2-rank world: what this rank of a 1-rank world (an elastic restart) resumes from
+    save_train_state(tmp_path / "mlp-1_3.ckpt", net, opt, 1, 3, 3, 5, append_dict={"rank": 0, "group_size": 2})
+    assert newest_complete_checkpoint(tmp_path, "mlp") == str(tmp_path / "mlp-1_3.ckpt")
     monkeypatch.setenv("MINIDL_RUN_ID", "job-b")  # a restarting launcher's job: its own files only
     assert newest_complete_checkpoint(tmp_path, "mlp") is None
     save_train_state(tmp_path / "mlp-1_1.ckpt", net, opt, 1, 1, 1, 5)
@@ -200,3 +203,19 @@ def test_a_custom_loop_resumes_through_one_call(tmp_path, restart):
     assert steps == [5, 6, 7, 8]  # from the checkpoint of step 4
     for name, value in got.items():
         assert np.array_equal(value, reference[name]), name
+
+
+def test_a_checkpoint_of_another_world_size_resumes_at_the_same_share_of_its_epoch(tmp_path):
+    """Saved by rank 0 of 2 after 2 of its 5 steps per epoch; one process reading the whole dataset has 10 steps
+    per epoch (batches of 3): it skips 4, as far into the epoch."""
+    net, opt, _ = _build()
+    path = tmp_path / "mlp-2_2.ckpt"
+    save_train_state(path, net, opt, 2, 7, 2, 5, append_dict={"rank": 0, "group_size": 2})
+    steps = Steps()
+    net, opt, _ = _build()
+    Model(net, ce_loss(), opt).train(2, slices((X, Y), ["x", "y"], 3), callbacks=[steps], resume_from=str(path))
+    assert steps.done == list(range(8, 14))  # global steps go on from 7; the epoch's steps 5..10
+    save_train_state(path, net, opt, 2, 7, 2, 5, append_dict={"rank": 0, "group_size": 1})
+    with pytest.raises(ValueError, match=r"was trained with 5 steps per epoch, but train_dataset has 10; resume with "
+                                         r"the same dataset, batch size and sharding"):
+        Model(net, ce_loss(), opt).train(2, slices((X, Y), ["x", "y"], 3), resume_from=str(path))

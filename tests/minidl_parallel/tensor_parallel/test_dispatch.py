@@ -319,7 +319,7 @@ def test_a_parameter_passed_to_the_outermost_cell_stays_whole_not_a_batch_block(
 
     def fn():
         weight = Parameter(Tensor(w.copy()), name="w")
-        return host(full_value(_TakesWeight()(_local_x(x), weight))), weight.data.shape
+        return host(full_value(_TakesWeight()(_local_x(x), w=weight))), weight.data.shape  # (as a keyword too)
     for out, shape in _on_ranks(2, fn, mode="semi_auto_parallel"):
         np.testing.assert_allclose(out, x @ w, rtol=1e-12)
         assert shape == (32, 8)

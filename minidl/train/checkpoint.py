@@ -73,11 +73,16 @@ _RANK_KEYS = ("rank", "group_size", "run_id")
 _PIPELINE_KEYS = ("pipeline_stages", "pipeline_stage", "pipeline_network")
 _RESERVED_KEYS = _STATE_KEYS + _RANK_KEYS + _PIPELINE_KEYS
 
-TrainPosition = collections.namedtuple("TrainPosition", "epoch skip_batches global_step batch_num group_size",
-                                       defaults=[None])
-TrainPosition.__doc__ = """Where a resumed run starts: ``epoch`` (0-based) and ``skip_batches`` (steps of that
-epoch already done), the ``global_step`` done so far, the ``batch_num`` it was trained with, and the number
-of ranks that trained it (``group_size``; None when the file does not record it)."""
+class TrainPosition(collections.namedtuple("TrainPosition", "epoch skip_batches global_step batch_num")):
+    """Where a resumed run starts: ``epoch`` (0-based) and ``skip_batches`` (steps of that epoch already
+    done), the ``global_step`` done so far and the ``batch_num`` it was trained with; the attribute
+    ``group_size`` is the number of ranks that trained it (None when the file does not record it). It is
+    not a tuple item, so that a position still compares and unpacks as its four numbers."""
+
+    def __new__(cls, epoch, skip_batches, global_step, batch_num, group_size=None):
+        position = super().__new__(cls, epoch, skip_batches, global_step, batch_num)
+        position.group_size = group_size
+        return position
 
 
 def _state_tensors(who, network, optimizer, segment=None):
@@ -210,7 +215,7 @@ def restore_train_state(path, network, optimizer, who="Model.train"):
     if meta["seed"] != "None":
         backend.set_seed(int(meta["seed"]))
     backend.rng().bit_generator.state = rng_state
-    epoch_num, step_in_epoch, step_num, batch_num = position[:4]
+    epoch_num, step_in_epoch, step_num, batch_num = position
     size = int(meta["group_size"]) if "group_size" in meta else None
     if step_in_epoch >= batch_num:  # the epoch was complete: start the next one
         return TrainPosition(epoch_num, 0, step_num, batch_num, size)

@@ -430,7 +430,7 @@ def test_training_state_keeps_given_names_and_resumes_from_either_keying(tmp_pat
     for source in (path, old):
         fresh = nn.SequentialCell(Scaled())
         fresh_opt = Momentum(fresh.trainable_params(), learning_rate=0.1, momentum=0.9)
-        assert restore_train_state(source, fresh, fresh_opt) == (0, 1, 1, 4, None)  # (no writer recorded)
+        assert restore_train_state(source, fresh, fresh_opt) == (0, 1, 1, 4)
         for got, want in zip(_values(fresh) + _values(fresh_opt), _values(net) + _values(opt)):
             assert_same(got, want)
 

@@ -120,7 +120,13 @@ TARGETS = {
                           "tests/minidl_parallel/test_checkpoint_agreement.py",
                           "tests/minidl_parallel/test_dp_checkpoint_resume.py"]
                          + [f"tests/minidl_parallel/pipeline/test_{t}.py" for t in (
-                             "pipeline_checkpoint", "pipeline_composition_details")]),
+                             "pipeline_checkpoint", "pipeline_checkpoint_details", "pipeline_composition_details")]),
+    # issue 33: restarts. The launcher's policy, its elastic sizing and run.py's loop (in-process, with stand-in
+    # workers; the real jobs run in subprocesses, which mutmut does not see), and the resume on the workers' side
+    "restarts": (["minidl_parallel/restarts.py", "minidl_parallel/elastic.py", "minidl_parallel/run.py"],
+                 [f"tests/minidl_parallel/test_{t}.py" for t in ("restarts", "elastic", "restart_launcher")]),
+    "restart_resume": (["minidl/train/restart.py"],
+                       ["tests/minidl/train/test_restart.py", "tests/minidl_parallel/test_elastic.py"]),
     "mnist": (["minidl/dataset/mnist.py"], ["tests/minidl/dataset/test_mnist.py"]),
     "callbacks": (["minidl/train/callbacks.py"], ["tests/minidl/train/test_callbacks.py",
                                                   "tests/minidl_parallel/pipeline/test_pipeline_eval.py"]),

@@ -196,8 +196,8 @@ def restore_train_state(path, network, optimizer, who="Model.train"):
                                  if name in needed or name in params})
     # Matched as load_param_into_net matches (name, else path), so that a file keyed by paths
     # (written before explicit names were saved) still resumes.
-    absent = [name for part in (network, optimizer) if part is not None
-              for name in match_parameters(part, params, who)[1]]
+    matches = [match_parameters(part, params, who) for part in (network, optimizer) if part is not None]
+    absent = [name for _, missing in matches for name in missing]
     if absent:
         raise ValueError(f"{who}: checkpoint {path!r} lacks {len(absent)} parameter(s) or optimizer state(s) of "
                          f"this model, nothing was loaded: {absent[:8]}{' ...' if len(absent) > 8 else ''}")
@@ -206,12 +206,10 @@ def restore_train_state(path, network, optimizer, who="Model.train"):
         position = TrainPosition(*(int(meta[k]) for k in ("epoch_num", "step_in_epoch", "step_num", "batch_num")))
     except ValueError as e:
         raise ValueError(f"{who}: checkpoint {path!r} has a corrupt training state in its metadata: {e}") from None
-    # Shapes are checked for both before either changes (load_param_into_net checks all first).
-    load_param_into_net_quietly(network, params, strict_load=True, who=who)
-    if isinstance(optimizer, _Chosen):
-        load_param_into_net_quietly(optimizer, params, strict_load=True, who=who)
-    elif optimizer is not None:
-        optimizer.load_state_dict(params, strict=True)
+    # One load for the network and the optimizer's state, keyed by the entries they matched: every shape
+    # is checked before anything is copied, so a mismatch in either leaves both as they were.
+    load_param_into_net_quietly(_Chosen({entry: p for found, _ in matches for _, p, entry in found}), params,
+                                who=who)
     if meta["seed"] != "None":
         backend.set_seed(int(meta["seed"]))
     backend.rng().bit_generator.state = rng_state

@@ -30,6 +30,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # target: (the files mutated, the tests run against them). The tests are the ones aimed at the
 # code, as a developer changing it would run them, not the whole suite.
+# test_elastic.py's tests that run in this process (its real job starts a launcher in a subprocess)
+_ELASTIC_IN_PROCESS = ("test_hosts_are_read_as_horovods_discovery_scripts_print_them",
+                       "test_each_attempt_runs_on_the_slots_discovered_then_within_min_and_max",
+                       "test_too_few_slots_are_waited_for_then_refused_naming_them",
+                       "test_a_host_that_comes_back_ends_the_wait", "test_a_failing_discovery_script_is_named",
+                       "test_run_refuses_elastic_options_it_cannot_honour",
+                       "test_a_restart_with_more_ranks_starts_the_new_ones_from_rank_0s_state",
+                       "test_a_restart_with_fewer_ranks_loads_each_ranks_own_file",
+                       "test_optimizer_parallel_slices_are_cut_anew_when_four_ranks_restart_as_two")
+
 TARGETS = {
     "compression": (["minidl_parallel/compression.py"],
                     ["tests/minidl_parallel/test_compression.py"]),
@@ -123,10 +133,21 @@ TARGETS = {
                              "pipeline_checkpoint", "pipeline_checkpoint_details", "pipeline_composition_details")]),
     # issue 33: restarts. The launcher's policy, its elastic sizing and run.py's loop (in-process, with stand-in
     # workers; the real jobs run in subprocesses, which mutmut does not see), and the resume on the workers' side
+    # (the in-process tests only: a launcher started in a subprocess imports the mutated copy, whose
+    # trampolines fail outside mutmut's folder)
     "restarts": (["minidl_parallel/restarts.py", "minidl_parallel/elastic.py", "minidl_parallel/run.py"],
-                 [f"tests/minidl_parallel/test_{t}.py" for t in ("restarts", "elastic", "restart_launcher")]),
+                 ["tests/minidl_parallel/test_restart_launcher.py"]
+                 + [f"tests/minidl_parallel/test_restarts.py::{t}" for t in (
+                     "test_the_backoff_doubles_from_the_delay_up_to_a_minute",
+                     "test_restart_options_are_checked_naming_the_expected_value",
+                     "test_a_job_that_fails_twice_is_restarted_with_backoff_and_says_why",
+                     "test_k_plus_one_failures_return_the_last_one_with_every_cause",
+                     "test_no_restarts_and_a_failure_that_cannot_be_restarted_stop_at_once",
+                     "test_the_restart_log_reports_each_complete_line_once", "test_run_refuses_bad_restart_options")]
+                 + [f"tests/minidl_parallel/test_elastic.py::{t}" for t in _ELASTIC_IN_PROCESS]),
     "restart_resume": (["minidl/train/restart.py"],
-                       ["tests/minidl/train/test_restart.py", "tests/minidl_parallel/test_elastic.py"]),
+                       ["tests/minidl/train/test_restart.py"]
+                       + [f"tests/minidl_parallel/test_elastic.py::{t}" for t in _ELASTIC_IN_PROCESS]),
     "mnist": (["minidl/dataset/mnist.py"], ["tests/minidl/dataset/test_mnist.py"]),
     "callbacks": (["minidl/train/callbacks.py"], ["tests/minidl/train/test_callbacks.py",
                                                   "tests/minidl_parallel/pipeline/test_pipeline_eval.py"]),
@@ -158,7 +179,11 @@ TARGETS = {
                      "test_workers_still_running_after_a_failure_get_the_grace_then_are_named",
                      "test_spawn_ends_its_local_workers_after_a_failure",
                      "test_init_mpi_turns_fault_tolerance_on_in_this_process_only",
-                     "test_a_singleton_finds_the_pip_open_mpis_files_beside_the_interpreter")]),
+                     "test_a_singleton_finds_the_pip_open_mpis_files_beside_the_interpreter",
+                     "test_spawn_restarts_the_workers_and_returns_the_attempt_that_succeeded_in_process",
+                     "test_spawn_checks_its_restart_arguments_before_starting_anything",
+                     "test_each_restarted_spawn_keeps_its_bounds_and_says_where_it_resumed_in_process",
+                     "test_spawn_does_not_restart_once_mpi_is_stuck_in_process")]),
     "progress": (["minidl/train/progress.py"],
                  ["tests/minidl/train/test_model.py", "tests/minidl/train/test_log_writers.py",
                   "tests/minidl/train/test_callbacks.py", "tests/minidl/train/test_progress.py"]),

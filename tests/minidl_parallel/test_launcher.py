@@ -967,3 +967,36 @@ def test_spawn_checks_its_restart_arguments_before_starting_anything(fake_mpi, k
     with pytest.raises(ValueError) as info:
         spawn(_square_plus, 2, args=(1,), **kwargs)
     assert str(info.value) == message and mpi.spawns == []
+
+
+def test_each_restarted_spawn_keeps_its_bounds_and_says_where_it_resumed_in_process(fake_mpi, capsys):
+    fake_mpi(silent={1}, seconds=1.5)  # rank 1 never says hello, in every attempt
+    with pytest.raises(SpawnError, match=r"^spawn: ranks \[1\] of 2 did not reach the launcher within "
+                                         r"start_timeout=0.2 s after MPI_Comm_spawn returned\n\n2 attempts failed"):
+        spawn(_square_plus, 2, args=(1,), timeout=1.0, start_timeout=0.2, max_restarts=1, restart_delay=0)
+    fake_mpi(worker=lambda rank, job: (_run_the_call(rank, job), 1.5 if rank else 0.0))  # rank 1 reports after 1.5 s
+    with pytest.raises(SpawnError, match=r"^spawn: the workers did not finish within timeout=0.2 s: .*\n\n2 attempts "
+                                         r"failed"):
+        spawn(_square_plus, 2, args=(1,), timeout=0.2, max_restarts=1, restart_delay=0)
+
+    def resumes(rank, job):  # rank 0 of the restart logs where it resumed, as Model.train does
+        if job["env"]["MINIDL_RESTART_COUNT"] == "1" and rank == 0:
+            with open(job["env"]["MINIDL_RESTART_LOG"], "a") as f:
+                f.write(json.dumps({"restart": 1, "checkpoint": "ckpt/a-1_4.ckpt", "step": 4}) + "\n")
+        return _exit_3_on_rank_1_until(1)(rank, job)
+    fake_mpi(worker=resumes)
+    capsys.readouterr()
+    assert spawn(_square_plus, 2, args=(1,), max_restarts=1, restart_delay=0) == [1, 2]
+    assert "spawn: restart 1 resumes after step 4, from ckpt/a-1_4.ckpt" in capsys.readouterr().err
+
+
+def test_spawn_does_not_restart_once_mpi_is_stuck_in_process(fake_mpi, monkeypatch):
+    assert not spawning.spawning_stuck()
+
+    def stuck_then_fail(rank, job):  # (as an MPI call given up on would leave it)
+        monkeypatch.setattr(spawning, "_stuck", ["MPI_Comm_spawn"])
+        return _exit_3_on_rank_1_until(99)(rank, job)
+    mpi = fake_mpi(worker=stuck_then_fail)
+    with pytest.raises(SpawnError, match=r"exited with status 3"):
+        spawn(_square_plus, 2, args=(1,), max_restarts=3, restart_delay=0)
+    assert spawning.spawning_stuck() and len(mpi.spawns) == 1

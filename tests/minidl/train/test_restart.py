@@ -206,6 +206,6 @@ def test_a_checkpoint_of_another_world_size_resumes_at_the_same_share_of_its_epo
     Model(net, ce_loss(), opt).train(2, slices((X, Y), ["x", "y"], 3), callbacks=[steps], resume_from=str(path))
     assert steps.done == list(range(8, 14))  # global steps go on from 7; the epoch's steps 5..10
     save_train_state(path, net, opt, 2, 7, 2, 5, append_dict={"rank": 0, "group_size": 1})
-    with pytest.raises(ValueError, match=r"was trained with 5 steps per epoch, but train_dataset has 10; resume with "
-                                         r"the same dataset, batch size and sharding"):
+    with pytest.raises(ValueError, match=rf"^Model.train: checkpoint '{path}' was trained with 5 steps per epoch, but "
+                                         rf"train_dataset has 10; resume with the same dataset, batch size and sharding$"):
         Model(net, ce_loss(), opt).train(2, slices((X, Y), ["x", "y"], 3), resume_from=str(path))

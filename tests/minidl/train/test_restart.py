@@ -209,3 +209,61 @@ def test_a_checkpoint_of_another_world_size_resumes_at_the_same_share_of_its_epo
     with pytest.raises(ValueError, match=rf"^Model.train: checkpoint '{path}' was trained with 5 steps per epoch, but "
                                          rf"train_dataset has 10; resume with the same dataset, batch size and sharding$"):
         Model(net, ce_loss(), opt).train(2, slices((X, Y), ["x", "y"], 3), resume_from=str(path))
+
+
+def test_of_two_runs_at_one_step_the_later_run_wins(tmp_path):
+    """A restart that resumed before step 3 saves step 3 again, under the next run's prefix: that file is the newer."""
+    from minidl.train.restart import _candidates
+    net, opt, _ = _build()
+    save_train_state(tmp_path / "mlp-1_3.ckpt", net, opt, 1, 3, 3, 5)
+    save_train_state(tmp_path / "mlp_1-1_3.ckpt", net, opt, 1, 3, 3, 5)
+    assert _candidates(str(tmp_path), "mlp") == {(1, 3, 0): "mlp-1_3.ckpt", (1, 3, 1): "mlp_1-1_3.ckpt"}
+    assert newest_complete_checkpoint(tmp_path, "mlp") == str(tmp_path / "mlp_1-1_3.ckpt")
+
+
+def test_a_file_of_a_named_job_is_anyones_when_no_job_is_named(tmp_path, monkeypatch):
+    net, opt, _ = _build()
+    monkeypatch.setenv("MINIDL_RUN_ID", "job-a")
+    save_train_state(tmp_path / "mlp-1_3.ckpt", net, opt, 1, 3, 3, 5)
+    monkeypatch.delenv("MINIDL_RUN_ID")  # (MINIDL_RESTART_COUNT set by hand, without the launcher)
+    assert newest_complete_checkpoint(tmp_path, "mlp") == str(tmp_path / "mlp-1_3.ckpt")
+
+
+def test_the_defaults_are_modelcheckpoints_prefix_and_each_functions_own_name(tmp_path, restart, capsys):
+    net, opt, _ = _build()
+    save_train_state(tmp_path / "CKP-1_2.ckpt", net, opt, 1, 2, 2, 5)
+    (tmp_path / "CKP-1_3.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.warns(RuntimeWarning, match=r"^newest_complete_checkpoint: skipped the damaged checkpoint"):
+        assert newest_complete_checkpoint(tmp_path) == str(tmp_path / "CKP-1_2.ckpt")
+    restart(1)
+    with pytest.warns(RuntimeWarning, match=r"^resume_after_restart: skipped the damaged checkpoint"):
+        path, position = resume_after_restart(tmp_path, net, opt)
+    assert (path, position.global_step) == (str(tmp_path / "CKP-1_2.ckpt"), 2)
+    assert f"resume_after_restart: restart 1: resuming from {path} (after step 2)" in capsys.readouterr().out
+    from minidl.train.restart import restart_checkpoint
+    with pytest.warns(RuntimeWarning, match=r"^restart_checkpoint: skipped"):
+        assert restart_checkpoint(tmp_path) == path
+    assert capsys.readouterr().out.startswith("restart_checkpoint: restart 1: resuming from")
+
+
+def test_a_restart_names_itself_in_a_refused_resume(tmp_path, restart):
+    net, opt, _ = _build()
+    save_train_state(tmp_path / "mlp-1_2.ckpt", net, opt, 1, 2, 2, 5)
+    restart(1)
+    bigger, bigger_opt, _ = _build()
+    bigger.extra = nn.Dense(2, 2)
+    with pytest.raises(ValueError, match=r"^resume_after_restart: checkpoint .* lacks 2 parameter\(s\)"):
+        resume_after_restart(tmp_path, bigger, None, prefix="mlp")
+
+
+def test_a_restart_removes_what_a_writer_killed_while_saving_left(tmp_path, restart):
+    import subprocess
+    from minidl.io.safetensors import _host_token
+    from minidl.train.restart import restart_checkpoint
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a process id no process has now
+    torn = tmp_path / f".mlp-1_4.ckpt.{_host_token()}.{gone.pid}.abcd1234.tmp"
+    torn.write_bytes(b"half a checkpoint")
+    restart(1)
+    assert restart_checkpoint(tmp_path, "mlp") is None
+    assert not torn.exists()

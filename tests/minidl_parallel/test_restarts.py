@@ -108,9 +108,9 @@ def test_the_restart_log_reports_each_complete_line_once(tmp_path):
     assert len(env["MINIDL_RUN_ID"]) == 32 and env["MINIDL_RUN_ID"] == log.env(3)["MINIDL_RUN_ID"]
     assert RestartLog(str(tmp_path / "other.jsonl")).run_id != log.run_id  # one per job
     assert log.news() == []
-    with open(log.path, "a") as f:
-        f.write(json.dumps({"restart": 1, "checkpoint": "ckpt/a-1_4.ckpt", "step": 4}) + "\n")
-        f.write(json.dumps({"restart": 2, "checkpoint": None, "step": 0}) + "\nnot json\n{\"restart\": 3")
+    with open(log.path, "a") as f:  # a line that is not JSON is skipped, and the ones after it still read
+        f.write(json.dumps({"restart": 1, "checkpoint": "ckpt/a-1_4.ckpt", "step": 4}) + "\nnot json\n")
+        f.write(json.dumps({"restart": 2, "checkpoint": None, "step": 0}) + "\n{\"restart\": 3")
     assert log.news() == ["restart 1 resumes after step 4, from ckpt/a-1_4.ckpt",
                           "restart 2 found no checkpoint every rank has whole: it trains from the start"]
     assert log.news() == []
@@ -206,6 +206,10 @@ def test_resnet20_restarts_after_a_kill_an_exit_and_a_stall_and_ends_bit_identic
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # checkpoints every 2 steps; each fault comes after its step, before that step's checkpoint
     assert _resumed_steps(proc) == [2, 4, 6]
+    # rank 0 says it (its output is the launcher's), once per restart
+    assert [line.split(" (after")[0].rsplit("/", 1)[1] for line in proc.stdout.splitlines()
+            if line.startswith("Model.train: restart ")] == ["resnet20-1_2.ckpt", "resnet20_1-1_4.ckpt",
+                                                              "resnet20_2-2_2.ckpt"]
     causes = [line for line in proc.stderr.splitlines() if " failed: " in line and line.startswith("python -m")]
     assert len(causes) == 3
     assert "rank 1 of 2" in causes[0] and "killed by a signal" in causes[0]

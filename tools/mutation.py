@@ -35,6 +35,8 @@ _ELASTIC_IN_PROCESS = ("test_hosts_are_read_as_horovods_discovery_scripts_print_
                        "test_each_attempt_runs_on_the_slots_discovered_then_within_min_and_max",
                        "test_too_few_slots_are_waited_for_then_refused_naming_them",
                        "test_a_host_that_comes_back_ends_the_wait", "test_a_failing_discovery_script_is_named",
+                       "test_a_discovery_script_that_does_not_finish_is_named",
+                       "test_the_wait_for_hosts_asks_every_interval_until_the_elastic_timeout_has_passed",
                        "test_run_refuses_elastic_options_it_cannot_honour",
                        "test_a_restart_with_more_ranks_starts_the_new_ones_from_rank_0s_state",
                        "test_a_restart_with_fewer_ranks_loads_each_ranks_own_file",
@@ -136,7 +138,7 @@ TARGETS = {
     # (the in-process tests only: a launcher started in a subprocess imports the mutated copy, whose
     # trampolines fail outside mutmut's folder)
     "restarts": (["minidl_parallel/restarts.py", "minidl_parallel/elastic.py", "minidl_parallel/run.py"],
-                 ["tests/minidl_parallel/test_restart_launcher.py"]
+                 ["tests/minidl_parallel/test_restart_launcher.py", "tests/minidl_parallel/test_launcher_in_process.py"]
                  + [f"tests/minidl_parallel/test_restarts.py::{t}" for t in (
                      "test_the_backoff_doubles_from_the_delay_up_to_a_minute",
                      "test_restart_options_are_checked_naming_the_expected_value",
@@ -146,7 +148,7 @@ TARGETS = {
                      "test_the_restart_log_reports_each_complete_line_once", "test_run_refuses_bad_restart_options")]
                  + [f"tests/minidl_parallel/test_elastic.py::{t}" for t in _ELASTIC_IN_PROCESS]),
     "restart_resume": (["minidl/train/restart.py"],
-                       ["tests/minidl/train/test_restart.py"]
+                       ["tests/minidl/train/test_restart.py", "tests/minidl_parallel/test_restart_resume.py"]
                        + [f"tests/minidl_parallel/test_elastic.py::{t}" for t in _ELASTIC_IN_PROCESS]),
     "mnist": (["minidl/dataset/mnist.py"], ["tests/minidl/dataset/test_mnist.py"]),
     "callbacks": (["minidl/train/callbacks.py"], ["tests/minidl/train/test_callbacks.py",

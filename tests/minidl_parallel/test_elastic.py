@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from minidl.backend import to_numpy
 from minidl.runtime import get_runtime
 from minidl.dataset import NumpySlicesDataset
 from minidl.train import Callback, CheckpointConfig, Model, ModelCheckpoint
-from minidl_parallel import run
+from minidl_parallel import elastic, run
 from minidl_parallel.elastic import ElasticError, ElasticWorld, parse_hosts
 
 from test_restarts import SCRIPTS, _assert_same_state, _env, _resumed_steps
@@ -51,23 +52,23 @@ def test_each_attempt_runs_on_the_slots_discovered_then_within_min_and_max(tmp_p
     slots.write_text("a:4\nb:4\n")
     assert world.attempt(0)[0] == 3  # the first attempt: -n
     n, hostfile = world.attempt(1)  # a restart: as many as the hosts hold, up to --max-np
-    assert n == 5 and open(hostfile).read() == "a slots=4\nb slots=4\n" and hostfile.endswith("hostfile.1")
+    assert n == 5 and open(hostfile).read() == "a slots=4\nb slots=4\n" and hostfile == str(tmp_path / "hostfile.1")
     slots.write_text("a:2\n")
     assert world.attempt(2)[0] == 2 and said == []
 
 
 def test_too_few_slots_are_waited_for_then_refused_naming_them(tmp_path):
     slots = tmp_path / "slots"
-    slots.write_text("a:1\n")
+    slots.write_text("a:1\nb:1\n")
     said = []
-    world = ElasticWorld(_script(tmp_path, f'cat "{slots}"\n'), 2, 2, 2, str(tmp_path), said.append,
+    world = ElasticWorld(_script(tmp_path, f'cat "{slots}"\n'), 3, 3, 3, str(tmp_path), said.append,
                          elastic_timeout=0.3, interval=0.05)
     start = time.monotonic()
-    with pytest.raises(ElasticError, match=r"^only 1 slot\(s\) on the discovered hosts \(a:1\), fewer than --min-np "
-                                           r"2, for 0.3 s \(--elastic-timeout\)$"):
+    with pytest.raises(ElasticError, match=r"^only 2 slot\(s\) on the discovered hosts \(a:1, b:1\), fewer than "
+                                           r"--min-np 3, for 0.3 s \(--elastic-timeout\)$"):
         world.attempt(1)
     assert 0.3 <= time.monotonic() - start < 10
-    assert said == ["waiting for hosts: 1 slot(s) discovered, --min-np is 2"]
+    assert said == ["waiting for hosts: 2 slot(s) discovered, --min-np is 3"]
     slots.write_text("")
     with pytest.raises(ElasticError, match=r"\(none\)"):
         world.attempt(1)
@@ -91,20 +92,60 @@ def test_a_failing_discovery_script_is_named(tmp_path):
     world = ElasticWorld(str(tmp_path / "absent.sh"), 2, 1, 2, str(tmp_path), print)
     with pytest.raises(ElasticError, match=r"host discovery script .*absent.sh could not be run: "):
         world.attempt(0)
+    script = _script(tmp_path, 'printf "%0501d" 0 >&2\nexit 1\n', "long.sh")  # 501 characters: the last 500 kept
+    with pytest.raises(ElasticError) as err:
+        ElasticWorld(script, 2, 1, 2, str(tmp_path), print).attempt(0)
+    assert str(err.value) == f"host discovery script {script} exited with status 1: " + "0" * 500
+    script = _script(tmp_path, 'echo a:2\necho b:x\n', "bad.sh")
+    with pytest.raises(ElasticError) as err:
+        ElasticWorld(script, 2, 1, 2, str(tmp_path), print).attempt(0)
+    assert str(err.value).startswith(f"host discovery script {script}: line 2 is 'b:x'; expected host:slots")
+
+
+def test_a_discovery_script_that_does_not_finish_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(elastic, "DISCOVERY_TIMEOUT_S", 0.2)
+    script = _script(tmp_path, "exec sleep 5\n")  # (exec: no child of the shell keeps its output open)
+    start = time.monotonic()
+    with pytest.raises(ElasticError) as err:
+        ElasticWorld(script, 2, 1, 2, str(tmp_path), print).attempt(0)
+    assert str(err.value) == f"host discovery script {script} did not finish within 0.2 s"
+    assert time.monotonic() - start < 4
+
+
+def test_the_wait_for_hosts_asks_every_interval_until_the_elastic_timeout_has_passed(tmp_path, monkeypatch):
+    """On a clock that moves only in the waits: asked at 0, 0.5, 1 and 1.5 s, it gives up at 1.5 s, the
+    first time more than the 1 s of --elastic-timeout has passed."""
+    calls = tmp_path / "calls"
+    clock = {"now": 0.0, "waits": []}
+
+    def sleep(seconds):
+        clock["waits"].append(seconds)
+        clock["now"] += seconds
+    monkeypatch.setattr(elastic, "time", types.SimpleNamespace(monotonic=lambda: clock["now"], sleep=sleep))
+    world = ElasticWorld(_script(tmp_path, f'echo x >> "{calls}"\necho a:1\n'), 2, 2, 2, str(tmp_path),
+                         print, elastic_timeout=1.0, interval=0.5)
+    with pytest.raises(ElasticError, match=r"fewer than --min-np 2, for 1 s"):
+        world.attempt(1)
+    assert clock["waits"] == [0.5, 0.5, 0.5] and len(calls.read_text().splitlines()) == 4
+
+
+RANGE = "expected 1 <= --min-np <= -n <= --max-np, "
 
 
 @pytest.mark.parametrize("options, message", [
-    (["--min-np", "1"], "--min-np need --host-discovery-script"),
-    (["--min-np", "1", "--max-np", "3"], "--min-np and --max-np need --host-discovery-script"),
-    (["--host-discovery-script", "SCRIPT", "--min-np", "3"], "expected 1 <= --min-np <= -n <= --max-np, got --min-np 3, "
-                                                            "-n 2, --max-np 2"),
-    (["--host-discovery-script", "SCRIPT", "--max-np", "1"], "got --min-np 2, -n 2, --max-np 1"),
-    (["--host-discovery-script", "SCRIPT", "--min-np", "0"], "got --min-np 0, -n 2, --max-np 2"),
-    (["--host-discovery-script", "SCRIPT", "--hostfile", "SCRIPT"], "--hostfile and --host-discovery-script do not "
-                                                                    "combine"),
-    (["--host-discovery-script", "NOTEXEC"], "not an executable file"),
+    (["--min-np", "1"], "--min-np need --host-discovery-script (the hosts each restart may use)"),
+    (["--min-np", "1", "--max-np", "3"], "--min-np and --max-np need --host-discovery-script (the hosts each restart "
+                                         "may use)"),
+    (["--host-discovery-script", "SCRIPT", "--min-np", "3"], RANGE + "got --min-np 3, -n 2, --max-np 2"),
+    (["--host-discovery-script", "SCRIPT", "--max-np", "1"], RANGE + "got --min-np 2, -n 2, --max-np 1"),
+    (["--host-discovery-script", "SCRIPT", "--min-np", "0"], RANGE + "got --min-np 0, -n 2, --max-np 2"),
+    (["--host-discovery-script", "SCRIPT", "--hostfile", "SCRIPT"],
+     "--hostfile and --host-discovery-script do not combine: the discovery script names the hosts of each attempt "
+     "(the launcher writes their hostfile)"),
+    (["--host-discovery-script", "NOTEXEC"], "--host-discovery-script 'NOTEXEC': not an executable file (relative to "
+                                             "{cwd})"),
     (["--host-discovery-script", "SCRIPT", "--elastic-timeout", "-1"], "--elastic-timeout must be a number of "
-                                                                       "seconds >= 0"),
+                                                                       "seconds >= 0 (0: no limit), got -1.0"),
 ])
 def test_run_refuses_elastic_options_it_cannot_honour(tmp_path, options, message, capsys):
     script = _script(tmp_path, "echo localhost:2\n")
@@ -114,7 +155,8 @@ def test_run_refuses_elastic_options_it_cannot_honour(tmp_path, options, message
     with pytest.raises(SystemExit) as err:
         run.main(["-n", "2", *options, str(SCRIPTS / "train.py")])
     assert err.value.code == 2
-    assert message in capsys.readouterr().err
+    message = message.replace("NOTEXEC", str(plain)).format(cwd=os.getcwd())
+    assert capsys.readouterr().err.splitlines()[-1] == f"{run.PROG}: error: {message}"
 
 
 # ---- resuming in a world of another size (threads) -------------------------------------------

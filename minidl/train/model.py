@@ -818,10 +818,11 @@ class Model:
 
 def _restart_checkpoint(callbacks):
     """On a launcher's restart, the checkpoint of the first ModelCheckpoint to resume from (None:
-    a first attempt, no ModelCheckpoint, or no checkpoint every rank has whole)."""
+    a first attempt, or no checkpoint every rank has whole). Every rank takes part, also one without
+    a ModelCheckpoint (rank 0 alone may save): it resumes from the others' choice."""
     saver = next((cb for cb in callbacks if isinstance(cb, ModelCheckpoint)), None)
     if saver is None:
-        return None
+        return restart_checkpoint(None, who="Model.train")
     return restart_checkpoint(saver.directory, saver._base_prefix, "Model.train")
 
 

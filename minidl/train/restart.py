@@ -96,37 +96,45 @@ def _readable_file(path, rank, who):
 
 def newest_complete_checkpoint(directory, prefix="CKP", who="newest_complete_checkpoint"):
     """The path (rank 0's name) of the newest checkpoint in ``directory`` that every rank has
-    whole, agreed on by every rank (each must call); None when there is none."""
+    whole; None when there is none. In a world that trains in lockstep every rank must call, and
+    all agree (one small exchange); a rank that saves nothing passes ``directory=None`` and takes
+    the others' choice (it then resumes from another rank's file: ``restore_train_state`` warns)."""
     runtime = get_runtime()
-    size = runtime.group_size()
-    rank = runtime.rank() if size > 1 else 0
-    directory = os.fspath(directory)
-    found = _candidates(directory, prefix) if os.path.isdir(directory) else {}
-    whole = sorted((key for key, name in found.items()
-                    if _readable_file(os.path.join(directory, name), rank, who) is not None), reverse=True)
-    # Every rank's list, so that all choose the same: the newest key in each of them.
-    lists = runtime.gather(whole) if size > 1 else [whole]
-    common = set(lists[0]).intersection(*map(set, lists[1:]))
+    together = runtime.group_size() > 1 and runtime.trains_in_lockstep()
+    rank = runtime.rank() if runtime.group_size() > 1 else 0
+    mine = None
+    if directory is not None:
+        directory = os.fspath(directory)
+        found = _candidates(directory, prefix) if os.path.isdir(directory) else {}
+        mine = {key: os.path.join(directory, name) for key, name in found.items()
+                if _readable_file(os.path.join(directory, name), rank, who) is not None}
+    # Every rank's view, so that all choose the same: the newest key in each view (ranks without one abstain).
+    views = [view for view in (runtime.gather(mine) if together else [mine]) if view is not None]
+    if not views:
+        return None
+    common = set(views[0]).intersection(*views[1:])
     if not common:
         return None
-    return os.path.join(directory, found[max(common)])
+    return (mine or views[0])[max(common)]
 
 
 def restart_checkpoint(directory, prefix="CKP", who="restart_checkpoint"):
     """On a restart, the checkpoint to resume from (see the module docstring), said on rank 0 and
-    logged for the launcher; None on a first attempt or when no checkpoint qualifies."""
+    logged for the launcher; None on a first attempt or when no checkpoint qualifies. ``directory``
+    None: this rank saves no checkpoints (it takes part in the ranks' agreement all the same)."""
     restart = restart_count()
     if restart == 0:
         return None
-    if os.path.isdir(directory):
+    if directory is not None and os.path.isdir(directory):
         remove_stale_temp_files(directory)  # what a rank killed while saving left (ModelCheckpoint does too)
     path = newest_complete_checkpoint(directory, prefix, who)
     step = 0 if path is None else int(load_checkpoint_metadata(path).get("step_num", 0))
     runtime = get_runtime()
     if runtime.group_size() <= 1 or runtime.rank() == 0:
         if path is None:
-            print(f"{who}: restart {restart}: no checkpoint in {directory} that every rank has whole; training "
-                  f"from the start", flush=True)
+            where = "" if directory is None else f" in {directory}"
+            print(f"{who}: restart {restart}: no checkpoint{where} that every rank has whole; training from the "
+                  f"start", flush=True)
         else:
             print(f"{who}: restart {restart}: resuming from {path} (after step {step})", flush=True)
         log = os.environ.get(RESTART_LOG_VARIABLE)

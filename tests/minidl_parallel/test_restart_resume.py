@@ -3,6 +3,7 @@ the newest checkpoint every one of them has whole, only rank 0 says and logs whe
 rank beyond the world that wrote a checkpoint starts from rank 0's file."""
 import json
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -27,15 +28,18 @@ class _Steps(Callback):
         self.done.append(run_context.original_args().cur_step_num)
 
 
-def _train(directory, ranks_steps=None, crash_after=None):
-    """Data-parallel MLP with BatchNorm on every rank, a checkpoint per step; returns the steps it ran."""
+def _train(directory, crash_after=None, saving_ranks=None):
+    """Data-parallel MLP with BatchNorm on every rank, a checkpoint per step (on ``saving_ranks``, default
+    all); returns the steps it ran."""
     mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL, gradients_mean=True)
     minidl.set_seed(7)
     net = nn.SequentialCell(nn.Dense(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Dense(6, 2))
     ds = NumpySlicesDataset((X, Y), column_names=["x", "y"], shuffle=True, num_shards=mp.get_group_size(),
                             shard_id=mp.get_rank()).batch(3)
     steps = _Steps()
-    callbacks = [ModelCheckpoint("m", str(directory), CheckpointConfig(save_checkpoint_steps=1)), steps]
+    callbacks = [steps]
+    if saving_ranks is None or mp.get_rank() in saving_ranks:
+        callbacks.insert(0, ModelCheckpoint("m", str(directory), CheckpointConfig(save_checkpoint_steps=1)))
 
     class Crash(Callback):
         def on_train_step_end(self, run_context):
@@ -90,3 +94,23 @@ def test_a_rank_beyond_the_world_that_wrote_a_checkpoint_reads_rank_0s_file(tmp_
     def body():
         return newest_complete_checkpoint(tmp_path, "c")
     assert mp.run_threads(2, body, timeout=60) == [str(tmp_path / "c-1_1.ckpt")] * 2
+
+
+def test_when_rank_0_alone_saves_every_rank_resumes_from_its_file(tmp_path, job):
+    """The PyTorch habit (a ModelCheckpoint on rank 0 only): the other ranks take part in the choice without
+    a view of their own, and resume from rank 0's file, warned that its per-rank state is rank 0's."""
+    restart, said = job
+    mp.run_threads(2, lambda: _train(tmp_path, crash_after=3, saving_ranks={0}), timeout=120)
+    assert sorted(os.listdir(tmp_path)) == ["m-1_1.ckpt", "m-1_2.ckpt", "m-1_3.ckpt"]
+    restart(1)
+
+    with warnings.catch_warnings(record=True) as seen:  # (the threads' warnings, recorded here)
+        warnings.simplefilter("always")
+        done = mp.run_threads(2, lambda: _train(tmp_path, saving_ranks={0}), timeout=120)
+    assert done == [list(range(4, 9))] * 2
+    assert [str(w.message).split(",")[0] for w in seen if "rank 0's state" in str(w.message)] == [
+        f"Model.train: rank 1 of 2 resumes from '{tmp_path / 'm-1_3.ckpt'}'"]
+    assert said == [(0, f"Model.train: restart 1: resuming from {tmp_path / 'm-1_3.ckpt'} (after step 3)")]
+    mp.run_threads(2, lambda: _train(tmp_path / "none", saving_ranks=set()), timeout=120)  # nobody saves: no hang
+    assert said[-1] == (0, "Model.train: restart 1: no checkpoint that every rank has whole; training from the start")
+

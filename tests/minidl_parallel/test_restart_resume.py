@@ -114,3 +114,19 @@ def test_when_rank_0_alone_saves_every_rank_resumes_from_its_file(tmp_path, job)
     mp.run_threads(2, lambda: _train(tmp_path / "none", saving_ranks=set()), timeout=120)  # nobody saves: no hang
     assert said[-1] == (0, "Model.train: restart 1: no checkpoint that every rank has whole; training from the start")
 
+
+
+def test_ranks_that_train_alone_each_choose_their_own_newest_checkpoint(tmp_path):
+    """Without data or tensor parallelism (STAND_ALONE) the ranks do not train in lockstep: each resumes
+    from the newest file in its own directory, with no exchange (rank 1 saved one step fewer)."""
+    net = nn.Dense(2, 2)
+    for rank, steps in ((0, 3), (1, 2)):
+        (tmp_path / str(rank)).mkdir()
+        for step in range(1, steps + 1):
+            save_train_state(tmp_path / str(rank) / f"s-1_{step}.ckpt", net, None, 1, step, step, 4,
+                             append_dict={"rank": rank, "group_size": 2})
+
+    def body():
+        mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.STAND_ALONE)
+        return newest_complete_checkpoint(tmp_path / str(mp.get_rank()), "s")
+    assert mp.run_threads(2, body, timeout=60) == [str(tmp_path / "0" / "s-1_3.ckpt"), str(tmp_path / "1" / "s-1_2.ckpt")]

@@ -24,7 +24,6 @@ import signal
 import sys
 import time
 
-
 from minidl import nn
 from minidl.io import safetensors
 from minidl.train import Callback, Model
@@ -72,6 +71,7 @@ def _run_with_fault(self, epoch, dataset, valid_dataset, valid_frequency, callba
 
 
 _step_call = nn.TrainOneStepCell.__call__
+_in_model = [False]  # inside Model.train, whose callback sees its steps
 
 
 def _step_with_fault(self, *args, **kwargs):
@@ -80,8 +80,6 @@ def _step_with_fault(self, *args, **kwargs):
         _after_step(self.optimizer.global_step)
     return out
 
-
-_in_model = [False]
 
 
 def _model_run(self, *args, **kwargs):

@@ -99,13 +99,19 @@ class _Pool:
             if task is None:
                 return
             fn, i, done = task
+            del task
             try:
-                done.put((i, fn(i), None))
+                outcome = [(i, fn(i), None)]
             except BaseException as e:  # handed to the caller, which re-raises it
-                done.put((i, None, e))
-            # This frame waits for the next task, maybe for long: the finished one's closure holds
-            # its op's arrays (activations, gradients), which must not outlive the step.
-            del task, fn, done
+                outcome = [(i, None, e)]
+            # The task's closure holds its op's arrays (activations, gradients): they go before the
+            # caller hears back, as the caller's next op may ask the buffer pool for their blocks
+            # (buffers.py: a block is free when nothing refers to it); this thread may be paused
+            # after the put for long enough. The outcome travels in a list the caller empties, so
+            # nothing this frame holds refers to the result either.
+            del fn
+            done.put(outcome)
+            del outcome, done
 
     def close(self):
         for _ in self.threads:
@@ -156,7 +162,7 @@ def parallel_map(fn, n, calls_blas=True):
             error = e
         finally:
             for _ in range(n - 1):
-                i, result, e = done.get()
+                i, result, e = done.get().pop()
                 results[i] = result
                 error = error or e
     if error is not None:

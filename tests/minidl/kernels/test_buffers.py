@@ -141,9 +141,16 @@ def test_threads_never_get_the_same_block_at_once():
     assert errors == []
 
 
-def test_training_steps_reach_a_steady_pool():
-    """A conv net's steps take the same blocks every step: the pool stops growing after the first
-    steps, and its blocks are free between steps (nothing a step made outlives it)."""
+@pytest.fixture
+def one_thread_then_two():
+    """Runs a test's steps on one intra-op thread, then two; the count is restored afterwards."""
+    before = minidl.get_num_threads()
+    yield minidl.set_num_threads
+    minidl.set_num_threads(before)
+
+
+def train_steps(n):
+    """The pool's held_bytes() after each of n training steps of a small conv net."""
     minidl.set_seed(0)
     net = nn.SequentialCell([nn.Conv2d(3, 16, 3, pad_mode="pad", padding=1), nn.BatchNorm2d(16), nn.ReLU(),
                              nn.Conv2d(16, 16, 3, pad_mode="pad", padding=1), nn.BatchNorm2d(16), nn.ReLU(),
@@ -155,11 +162,34 @@ def test_training_steps_reach_a_steady_pool():
     x = minidl.Tensor(rng.standard_normal((32, 3, 16, 16)).astype(np.float32))
     y = minidl.Tensor(rng.integers(0, 10, 32).astype(np.int32))
     held = []
-    for _ in range(6):
+    for _ in range(n):
         loss, grads = grad_fn(x, y)
         opt(grads)
         del loss, grads
         held.append(buffers.held_bytes())
+    return held
+
+
+def test_training_steps_reach_a_steady_pool(one_thread_then_two):
+    """A conv net's steps take the same blocks every step: the pool stops growing after the first
+    steps, and its blocks are free between steps (nothing a step made outlives it). On one thread,
+    where the order of requests is the same every step."""
+    one_thread_then_two(1)
+    held = train_steps(6)
     assert held[2][0] > 0  # the step's large arrays came from the pool
     assert held[5][0] == held[2][0]
     assert held[5][1] == held[5][0]
+
+
+def test_on_two_threads_a_step_leaves_its_blocks_free_and_the_pool_bounded(one_thread_then_two):
+    """On two threads the pool's size depends on timing: a map's chunks take their scratch blocks at
+    once where they overlap, one after the other where a thread was late. So it grows at most to
+    what the chunks take when they all overlap (at most twice one thread's pool), and every block is
+    free between steps however the threads ran (a worker holds nothing once its caller goes on)."""
+    one_thread_then_two(1)
+    one_thread = train_steps(3)[-1][0]
+    buffers.release()
+    one_thread_then_two(2)
+    held = train_steps(12)
+    assert all(free == total for total, free in held)
+    assert 0 < held[-1][0] <= 2 * one_thread

@@ -5,6 +5,7 @@ their references) on 1 thread and on several."""
 import gc
 import multiprocessing
 import os
+import queue
 import threading
 import time
 import types
@@ -96,6 +97,26 @@ def test_the_pool_keeps_nothing_of_a_finished_call(threads):
     del array
     gc.collect()
     assert alive() is None
+
+
+@needs_local_blas
+def test_a_worker_lets_go_of_its_call_before_the_caller_hears_back(threads, monkeypatch):
+    """The caller's next op may reuse the finished call's blocks (buffers.py: free when nothing refers
+    to them), so a worker holds nothing of its call once the caller has its result, even when the
+    worker is paused right after handing it back (as the OS may pause it; this test makes it sleep)."""
+    class PausingQueue(queue.SimpleQueue):
+        def put(self, item):
+            super().put(item)
+            if threading.current_thread().name.startswith("minidl-intra-op"):
+                time.sleep(0.2)
+
+    monkeypatch.setattr(intra_op.queue, "SimpleQueue", PausingQueue)
+    threads(2)
+    array, result = np.ones(1000), np.zeros(1)
+    alive, result_alive = weakref.ref(array), weakref.ref(result)
+    assert intra_op.parallel_map(lambda i, a=array, r=result: r if i else float(a[i]), 2) == [1.0, result]
+    del array, result
+    assert alive() is None and result_alive() is None  # no gc.collect(): the worker is still asleep
 
 
 @needs_local_blas

@@ -48,7 +48,9 @@ count, and ``minidl_parallel.load_segmented_checkpoints`` loads the files into a
 Under ``python -m minidl_parallel.run --max-restarts K`` with ``--ckpt-dir``, a job that loses a rank
 restarts and ``Model.train`` resumes by itself from the newest checkpoint every rank wrote
 (``--ckpt-steps`` sets how often: a restart repeats at most the steps since the last one); the
-final parameters equal the uninterrupted run's, bit for bit (docs/reliability.md#restarts).
+final parameters equal the uninterrupted run's, bit for bit (docs/reliability.md#restarts). An
+elastic restart on fewer ranks (``--min-np``, ``--max-np``, ``--host-discovery-script``) keeps the
+global batch, each rank taking more rows; ``--keep-batch per_rank`` keeps ``--batch-size`` instead.
 """
 import argparse
 
@@ -72,8 +74,10 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32, help="per rank (per replica with --pipeline)")
     p.add_argument("--global-batch-size", type=int,
-                   help="the batch of all replicas together, cut evenly among them (instead of --batch-size): "
-                        "kept when an elastic restart changes the number of ranks")
+                   help="the batch of all replicas together, cut evenly among them (instead of --batch-size)")
+    p.add_argument("--keep-batch", choices=["global", "per_rank"], default="global",
+                   help="what a resume on another number of ranks (an elastic restart) keeps: the global batch "
+                        "(each rank's batch resized) or each rank's batch (Model.train's keep_batch)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--num-samples", type=int, default=640, help="size of the synthetic training set")
     p.add_argument("--device", choices=["CPU", "GPU"], default=None, help="default: GPU when CuPy sees one")
@@ -266,9 +270,10 @@ def main(argv=None):
         train_pipeline(args, model, pipeline, net, loss_fn, train_ds, callbacks, say)
     elif test_ds is not None:
         model.fit(args.epochs, train_ds, test_ds, callbacks=callbacks, resume_from=args.resume_from,
-                  log_file=args.log_file)
+                  log_file=args.log_file, keep_batch=args.keep_batch)
     else:
-        model.train(args.epochs, train_ds, callbacks=callbacks, resume_from=args.resume_from, log_file=args.log_file)
+        model.train(args.epochs, train_ds, callbacks=callbacks, resume_from=args.resume_from, log_file=args.log_file,
+                    keep_batch=args.keep_batch)
         if args.micro_batches > 1:  # (the PipelineCell's Model has no metrics: evaluate the network itself)
             model = Model(net, loss_fn, metrics={"accuracy"})
         accuracy = model.eval(train_ds)["accuracy"]  # every rank takes part: the shards' counts are added up
@@ -277,7 +282,8 @@ def main(argv=None):
 
 def train_pipeline(args, model, pipeline, net, loss_fn, train_ds, callbacks, say):
     """Trains the stages, gathers the whole network on every rank, and evaluates it there."""
-    model.train(args.epochs, train_ds, callbacks=callbacks, resume_from=args.resume_from, log_file=args.log_file)
+    model.train(args.epochs, train_ds, callbacks=callbacks, resume_from=args.resume_from, log_file=args.log_file,
+                keep_batch=args.keep_batch)
     pipeline.gather_parameters()  # each rank trained its stage: the whole network on every rank
     # Every rank evaluates the whole set alone (a dataset no rank shards): the same numbers on each.
     if args.data_path:

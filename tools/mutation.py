@@ -40,7 +40,9 @@ _ELASTIC_IN_PROCESS = ("test_hosts_are_read_as_horovods_discovery_scripts_print_
                        "test_run_refuses_elastic_options_it_cannot_honour",
                        "test_a_restart_with_more_ranks_starts_the_new_ones_from_rank_0s_state",
                        "test_a_restart_with_fewer_ranks_loads_each_ranks_own_file",
-                       "test_optimizer_parallel_slices_are_cut_anew_when_four_ranks_restart_as_two")
+                       "test_optimizer_parallel_slices_are_cut_anew_when_four_ranks_restart_as_two",
+                       "test_keeping_the_global_batch_a_shrunk_world_continues_the_uninterrupted_run",
+                       "test_a_global_batch_the_new_world_cannot_split_is_refused_on_every_rank")
 
 TARGETS = {
     "compression": (["minidl_parallel/compression.py"],
@@ -150,6 +152,9 @@ TARGETS = {
     "restart_resume": (["minidl/train/restart.py"],
                        ["tests/minidl/train/test_restart.py", "tests/minidl_parallel/test_restart_resume.py"]
                        + [f"tests/minidl_parallel/test_elastic.py::{t}" for t in _ELASTIC_IN_PROCESS]),
+    "resize": (["minidl/train/resize.py"],
+               ["tests/minidl/train/test_resize.py", "tests/minidl/dataset/test_engine.py"]
+               + [f"tests/minidl_parallel/test_elastic.py::{t}" for t in _ELASTIC_IN_PROCESS]),
     "mnist": (["minidl/dataset/mnist.py"], ["tests/minidl/dataset/test_mnist.py"]),
     "callbacks": (["minidl/train/callbacks.py"], ["tests/minidl/train/test_callbacks.py",
                                                   "tests/minidl_parallel/pipeline/test_pipeline_eval.py"]),

@@ -158,6 +158,18 @@ class Dataset:
         """
         return BatchDataset(self, batch_size, drop_remainder)
 
+    def resize_batch(self, batch_size):
+        """Sets the batch size of the last ``.batch`` in the pipeline, in place (between epochs, not
+        while one is iterated). ``Model.train`` keeps the global batch this way when a checkpoint
+        resumes on another number of shards (minidl/train/resize.py). Raises when there is no ``.batch``."""
+        node = self
+        while node is not None and not isinstance(node, BatchDataset):
+            node = node.input_dataset
+        if node is None:
+            raise ValueError("resize_batch: the pipeline has no .batch() to resize")
+        _check_batch_size(batch_size, "resize_batch")
+        node._batch_size = int(batch_size)
+
     def repeat(self, count=None):
         """Repeats the dataset ``count`` times within each epoch (None or -1: forever).
 
@@ -396,10 +408,7 @@ class BatchDataset(Dataset):
 
     def __init__(self, input_dataset, batch_size, drop_remainder=False):
         super().__init__(input_dataset)
-        if not _is_int(batch_size):
-            raise TypeError(f"batch: batch_size must be an int >= 1, got {batch_size!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch: batch_size must be >= 1, got {batch_size}")
+        _check_batch_size(batch_size, "batch")
         self._batch_size = int(batch_size)
         self._drop_remainder = bool(drop_remainder)
 
@@ -440,6 +449,13 @@ class BatchDataset(Dataset):
                                  f"batch {b}; cast them to one dtype (transforms.TypeCast) before batch")
             batch.append(numpy.stack(values))
         return tuple(batch)
+
+
+def _check_batch_size(batch_size, who):
+    if not _is_int(batch_size):
+        raise TypeError(f"{who}: batch_size must be an int >= 1, got {batch_size!r}")
+    if batch_size < 1:
+        raise ValueError(f"{who}: batch_size must be >= 1, got {batch_size}")
 
 
 def _pair(epoch, r):

@@ -18,6 +18,10 @@ hand on one rank stays every rank's starting point):
 
     rank           the rank that wrote it (0 on one device)
     group_size     the number of ranks of the run (1 on one device)
+    batch_size     the training dataset's batch (per rank: its last ``.batch``)
+    num_shards     the number of shards of the training dataset (batch_size x num_shards is
+                   the global batch, which a resume on another number of shards keeps:
+                   minidl/train/resize.py)
 
 and, under a restarting launcher, ``run_id``: its job's ``MINIDL_RUN_ID`` (minidl/train/restart.py).
 
@@ -57,6 +61,7 @@ import time
 import warnings
 
 from .. import backend
+from ..dataset import Dataset
 from ..io.safetensors import remove_stale_temp_files
 from ..io.checkpoint import (save_checkpoint, load_checkpoint, load_param_into_net_quietly, load_checkpoint_metadata,
                              keyed_parameters, match_parameters)
@@ -71,17 +76,22 @@ _STATE_KEYS = ("epoch_num", "step_num", "step_in_epoch", "batch_num", "seed", "r
 _RANK_KEYS = ("rank", "group_size", "run_id")
 # Which part of a pipelined model the file holds (minidl_parallel/pipeline/checkpoint.py writes them).
 _PIPELINE_KEYS = ("pipeline_stages", "pipeline_stage", "pipeline_network")
-_RESERVED_KEYS = _STATE_KEYS + _RANK_KEYS + _PIPELINE_KEYS
+# The global batch (batch_size x num_shards) a resume on another number of shards keeps (resize.py).
+_DATASET_KEYS = ("batch_size", "num_shards")
+_RESERVED_KEYS = _STATE_KEYS + _RANK_KEYS + _PIPELINE_KEYS + _DATASET_KEYS
 
 class TrainPosition(collections.namedtuple("TrainPosition", "epoch skip_batches global_step batch_num")):
     """Where a resumed run starts: ``epoch`` (0-based) and ``skip_batches`` (steps of that epoch already
-    done), the ``global_step`` done so far and the ``batch_num`` it was trained with; the attribute
-    ``group_size`` is the number of ranks that trained it (None when the file does not record it). It is
-    not a tuple item, so that a position still compares and unpacks as its four numbers."""
+    done), the ``global_step`` done so far and the ``batch_num`` it was trained with. Attributes, not
+    tuple items (a position still compares and unpacks as its four numbers), None where the file does
+    not record them: ``group_size``, the number of ranks that trained it, and ``batch_size`` and
+    ``num_shards``, each rank's batch and the number of shards of its training dataset (ModelCheckpoint
+    records them; their product is the global batch)."""
 
-    def __new__(cls, epoch, skip_batches, global_step, batch_num, group_size=None):
+    def __new__(cls, epoch, skip_batches, global_step, batch_num, group_size=None, batch_size=None,
+                num_shards=None):
         position = super().__new__(cls, epoch, skip_batches, global_step, batch_num)
-        position.group_size = group_size
+        position.group_size, position.batch_size, position.num_shards = group_size, batch_size, num_shards
         return position
 
 
@@ -214,10 +224,10 @@ def restore_train_state(path, network, optimizer, who="Model.train"):
         backend.set_seed(int(meta["seed"]))
     backend.rng().bit_generator.state = rng_state
     epoch_num, step_in_epoch, step_num, batch_num = position
-    size = int(meta["group_size"]) if "group_size" in meta else None
+    world = [int(meta[key]) if key in meta else None for key in ("group_size", "batch_size", "num_shards")]
     if step_in_epoch >= batch_num:  # the epoch was complete: start the next one
-        return TrainPosition(epoch_num, 0, step_num, batch_num, size)
-    return TrainPosition(epoch_num - 1, step_in_epoch, step_num, batch_num, size)
+        return TrainPosition(epoch_num, 0, step_num, batch_num, *world)
+    return TrainPosition(epoch_num - 1, step_in_epoch, step_num, batch_num, *world)
 
 
 def _check_segment(path, meta, network, who):
@@ -600,6 +610,9 @@ class ModelCheckpoint(Callback):
         runtime = get_runtime()
         # Every rank writes its own file: restore_train_state reads these keys to refuse another rank's.
         writer = dict(cfg.append_dict, rank=runtime.rank(), group_size=runtime.group_size())
+        dataset = cb_params.get("train_dataset")
+        if isinstance(dataset, Dataset):  # the global batch, which a resume on another number of shards keeps
+            writer.update(batch_size=dataset.get_batch_size(), num_shards=dataset.num_shards)
         if cfg.saved_network is not None:
             meta = dict(writer, epoch_num=cb_params.cur_epoch_num, step_num=cb_params.cur_step_num,
                         **(segment.metadata if segment is not None else {}))

@@ -80,6 +80,7 @@ from ..runtime import get_runtime
 from ..tensor import Tensor, no_grad
 from .callbacks import CallbackList, CallbackParam, RunContext
 from .checkpoint import ModelCheckpoint, restore_train_state
+from .resize import check_keep_batch, resume_on_these_shards
 from .restart import restart_checkpoint
 from .metrics import Loss, get_metrics, has_statistics
 from .progress import MetricsLogger, ProgressBar, use_progress_bar
@@ -400,7 +401,7 @@ class Model:
     # ---- training ------------------------------------------------------------------------------
 
     def train(self, epoch, train_dataset, callbacks=None, dataset_sink_mode=False, resume_from=None, log_file=None,
-              progress=None, uneven_inputs=False):
+              progress=None, uneven_inputs=False, keep_batch="global"):
         """Trains for ``epoch`` epochs (in total, counting those a resumed checkpoint did).
 
         Args:
@@ -413,8 +414,8 @@ class Model:
             resume_from: a checkpoint written by ModelCheckpoint: parameters, optimizer
                 state, position and random state are restored, and training continues
                 after its last step (on CPU bit-identically to a run never interrupted). One
-                written by another number of ranks continues the epoch at the same share of its
-                steps. Under a restarting launcher (``MINIDL_RESTART_COUNT`` > 0) with a
+                written with another number of shards continues as ``keep_batch`` says. Under a
+                restarting launcher (``MINIDL_RESTART_COUNT`` > 0) with a
                 ModelCheckpoint among the callbacks, None means the newest checkpoint every rank
                 of the job has whole (minidl/train/restart.py).
             log_file: path of a JSON-lines metrics log (appended to when resuming), written by
@@ -428,12 +429,18 @@ class Model:
                 parameters. False (default): differing step counts raise on every rank at the
                 start. Not supported with tensor parallelism or SyncBatchNorm (see
                 minidl_parallel/join.py).
+            keep_batch: what a resume with another number of shards of train_dataset keeps (an
+                elastic restart): "global" (default) resizes the dataset's last ``.batch`` so
+                that the global batch, and so the steps per epoch and the rows of each step, are
+                the checkpoint's; "per_rank" keeps each rank's batch, and the epoch in progress
+                continues at the same share of its steps (minidl/train/resize.py).
         """
         self._run(epoch, train_dataset, None, 1, callbacks, dataset_sink_mode, resume_from, log_file, progress,
-                  uneven_inputs)
+                  uneven_inputs, keep_batch)
 
     def fit(self, epoch, train_dataset, valid_dataset=None, valid_frequency=1, callbacks=None,
-            dataset_sink_mode=False, resume_from=None, log_file=None, progress=None, uneven_inputs=False):
+            dataset_sink_mode=False, resume_from=None, log_file=None, progress=None, uneven_inputs=False,
+            keep_batch="global"):
         """Trains as ``train`` and evaluates on ``valid_dataset`` every ``valid_frequency``
         epochs (and after the last); results go to ``cb_params.metrics`` (LossMonitor prints
         them, the metrics log records them)."""
@@ -444,13 +451,14 @@ class Model:
         if isinstance(valid_frequency, bool) or not isinstance(valid_frequency, int) or valid_frequency < 1:
             raise ValueError(f"Model.fit: valid_frequency must be an int >= 1, got {valid_frequency!r}")
         self._run(epoch, train_dataset, valid_dataset, valid_frequency, callbacks, dataset_sink_mode, resume_from,
-                  log_file, progress, uneven_inputs)
+                  log_file, progress, uneven_inputs, keep_batch)
 
     def _run(self, epoch, dataset, valid_dataset, valid_frequency, callbacks, dataset_sink_mode, resume_from,
-             log_file, progress, uneven_inputs=False):
+             log_file, progress, uneven_inputs=False, keep_batch="global"):
         epoch = self._check_epoch(epoch)
         if not isinstance(uneven_inputs, bool):
             raise TypeError(f"Model.train: uneven_inputs must be a bool, got {uneven_inputs!r}")
+        check_keep_batch(keep_batch, "Model.train")
         optimizer = _step_optimizer(self._train_network) if self._network_steps else self._optimizer
         if optimizer is None:
             step_hint = ("" if self._loss_fn is not None else ", or a training-step network "
@@ -477,9 +485,9 @@ class Model:
         start_epoch, skip, global_step = 0, 0, 0
         if resume_from is not None:
             pos = restore_train_state(resume_from, self._train_network, optimizer)
-            start_epoch, skip, global_step = pos.epoch, pos.skip_batches, pos.global_step
-            if pos.batch_num != batch_num:
-                skip = _skip_in_another_world(resume_from, pos, batch_num, get_runtime().group_size())
+            start_epoch, global_step = pos.epoch, pos.global_step
+            batch_num, skip = resume_on_these_shards(resume_from, pos, dataset, batch_num, get_runtime().group_size(),
+                                                     keep_batch)
         self.grad_reducer = self._resolve_grad_reducer()
         joined = self._agree_on_steps(epoch, start_epoch, skip, batch_num, uneven_inputs, cbs.callbacks)
         if batch_num == 0 and not joined:
@@ -824,14 +832,3 @@ def _restart_checkpoint(callbacks):
     if saver is None:
         return restart_checkpoint(None, who="Model.train")
     return restart_checkpoint(saver.directory, saver._base_prefix, "Model.train")
-
-
-def _skip_in_another_world(path, position, batch_num, size):
-    """The steps of the resumed epoch to skip when a checkpoint of ``position.group_size`` ranks resumes on
-    ``size`` (an elastic restart): the same share of the epoch, rounded down (the new shards hold other
-    rows, so the rest of that epoch is not exactly the rows the old world had left). With the same
-    world, other steps per epoch mean another dataset: that raises."""
-    if position.group_size in (None, size):
-        raise ValueError(f"Model.train: checkpoint {path!r} was trained with {position.batch_num} steps per epoch, "
-                         f"but train_dataset has {batch_num}; resume with the same dataset, batch size and sharding")
-    return position.skip_batches * batch_num // position.batch_num

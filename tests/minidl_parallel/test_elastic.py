@@ -3,6 +3,7 @@
 with another number of ranks resumes from the layout-independent checkpoint, equal bit for bit to a
 run of the new size resumed from the same checkpoint."""
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -173,9 +174,10 @@ class _Steps(Callback):
         self.done.append(run_context.original_args().cur_step_num)
 
 
-def _train(directory, steps=None, crash_after=None, resume_from=None, zero=None):
-    """Data-parallel (when several ranks) MLP training with BatchNorm, checkpointing every step; ``zero``:
-    optimizer parallelism at that level (each rank holds its rows of the weights and momenta)."""
+def _train(directory, steps=None, crash_after=None, resume_from=None, zero=None, keep_batch="global"):
+    """Data-parallel (when several ranks) MLP training with BatchNorm, 4 rows per rank and step, checkpointing
+    every step; ``zero``: optimizer parallelism at that level (each rank holds its rows of the weights and
+    momenta); ``keep_batch``: Model.train's, for a resume on another number of ranks."""
     size, rank = mp.get_group_size() if mp.is_initialized() else 1, mp.get_rank() if mp.is_initialized() else 0
     if size > 1:
         mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL, gradients_mean=True,
@@ -194,7 +196,7 @@ def _train(directory, steps=None, crash_after=None, resume_from=None, zero=None)
         callbacks.append(_Crash(crash_after))
     try:
         Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"), opt).train(
-            3, ds, callbacks=callbacks, resume_from=resume_from)
+            3, ds, callbacks=callbacks, resume_from=resume_from, keep_batch=keep_batch)
     except KeyboardInterrupt:
         return None
     return {name: np.array(to_numpy(get_runtime().full_value(p))) if p.is_sharded else p.asnumpy().copy()
@@ -220,44 +222,109 @@ def job(monkeypatch):
     return restart
 
 
-def test_a_restart_with_more_ranks_starts_the_new_ones_from_rank_0s_state(tmp_path, job):
-    """One process (12 steps per epoch) fails after step 5; the restart runs 2 ranks (6 steps per epoch):
-    both load rank 0's file, skip 5 * 6 // 12 = 2 steps of the epoch, and end as a 2-rank run resumed
-    from the same checkpoint by resume_from."""
+@pytest.mark.parametrize("keep_batch, per_epoch, skipped", [("global", 12, 5), ("per_rank", 6, 2)])
+def test_a_restart_with_more_ranks_starts_the_new_ones_from_rank_0s_state(tmp_path, job, keep_batch, per_epoch,
+                                                                          skipped):
+    """One process (4 rows a step, 12 steps per epoch) fails after step 5; the restart runs 2 ranks: both
+    load rank 0's file and end as a 2-rank run resumed from the same checkpoint by resume_from. Keeping the
+    global batch, each rank takes 2 rows a step: 12 steps per epoch, 5 skipped; keeping the per-rank batch,
+    6 steps per epoch, 5 * 6 // 12 = 2 skipped."""
     _train(tmp_path / "ckpt", crash_after=5)
     job(1)
 
     def restarted():
         steps = _Steps()
-        return _train(tmp_path / "ckpt", steps), steps.done
+        return _train(tmp_path / "ckpt", steps, keep_batch=keep_batch), steps.done
 
     def resumed():
-        return _train(tmp_path / f"ref{mp.get_rank()}", resume_from=str(tmp_path / "ckpt" / "m-1_5.ckpt"))
+        return _train(tmp_path / f"ref{mp.get_rank()}", resume_from=str(tmp_path / "ckpt" / "m-1_5.ckpt"),
+                      keep_batch=keep_batch)
 
     got = mp.run_threads(2, restarted, timeout=120)
     job(0)
     want = mp.run_threads(2, resumed, timeout=120)
     for rank, ((params, done), reference) in enumerate(zip(got, want)):
-        assert done[0] == 6 and len(done) == 3 * 6 - 2, rank  # global steps on from 5; 2 of 6 skipped
+        assert done[0] == 6 and len(done) == 3 * per_epoch - skipped, rank  # global steps on from 5
         for name, value in params.items():
             np.testing.assert_array_equal(value, reference[name], err_msg=name)
 
 
-def test_a_restart_with_fewer_ranks_loads_each_ranks_own_file(tmp_path, job):
-    """Two ranks (6 steps per epoch) fail after step 8; one process (12 per epoch) loads rank 0's file of
-    step 8 (epoch 2, step 2: it skips 4) and ends as one process resumed from it."""
+@pytest.mark.parametrize("keep_batch, per_epoch, skipped", [("global", 6, 2), ("per_rank", 12, 4)])
+def test_a_restart_with_fewer_ranks_loads_each_ranks_own_file(tmp_path, job, keep_batch, per_epoch, skipped):
+    """Two ranks (6 steps per epoch) fail after step 8; one process loads rank 0's file of step 8 (epoch 2,
+    step 2) and ends as one process resumed from it: with the global batch kept (8 rows a step) 6 steps
+    per epoch, 2 skipped; with the per-rank batch (4 rows) 12 per epoch, 4 skipped."""
     def first():
         _train(tmp_path / "ckpt", crash_after=8)
     mp.run_threads(2, first, timeout=120)
     assert (tmp_path / "ckpt" / "m-2_2_rank1.ckpt").exists()
     job(1)
     steps = _Steps()
-    got = _train(tmp_path / "ckpt", steps)
-    assert steps.done[0] == 9 and len(steps.done) == 12 + 12 - 4
+    got = _train(tmp_path / "ckpt", steps, keep_batch=keep_batch)
+    assert steps.done[0] == 9 and len(steps.done) == 2 * per_epoch - skipped
     job(0)
-    want = _train(tmp_path / "ref", resume_from=str(tmp_path / "ckpt" / "m-2_2.ckpt"))
+    want = _train(tmp_path / "ref", resume_from=str(tmp_path / "ckpt" / "m-2_2.ckpt"), keep_batch=keep_batch)
     for name, value in got.items():
         np.testing.assert_array_equal(value, want[name], err_msg=name)
+
+
+def _train_f64(directory, crash_after=None, keep_batch="global"):
+    """Data-parallel float64 MLP (no BatchNorm: it normalises each rank's batch), 4 rows per rank and step as
+    the script says, shuffled, checkpointing every step; the parameters at the end."""
+    mp.set_auto_parallel_context(parallel_mode=mp.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+    minidl.set_seed(3)
+    net = nn.SequentialCell(nn.Dense(4, 8, dtype=minidl.float64), nn.Tanh(), nn.Dense(8, 2, dtype=minidl.float64))
+    ds = NumpySlicesDataset((X.astype(np.float64), Y), column_names=["x", "y"], shuffle=True,
+                            num_shards=mp.get_group_size(), shard_id=mp.get_rank()).batch(4)
+    callbacks = [ModelCheckpoint("m", str(directory), CheckpointConfig(save_checkpoint_steps=1))]
+    if crash_after is not None:
+        callbacks.append(_Crash(crash_after))
+    try:
+        Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
+              nn.Momentum(net.trainable_params(), 0.1, 0.9)).train(3, ds, callbacks=callbacks, keep_batch=keep_batch)
+    except KeyboardInterrupt:
+        return None
+    return {name: p.asnumpy().copy() for name, p in net.parameters_and_names()}
+
+
+def test_keeping_the_global_batch_a_shrunk_world_continues_the_uninterrupted_run(tmp_path, job):
+    """Four ranks of 4 rows a step fail after step 4 (of 3 per epoch); two ranks restart with a script
+    batch of 4 rows, which Model.train resizes to 8, fail after step 6 and restart again: every later step
+    trains on the rows the four ranks would have (shards take every num_shards-th row), so the parameters
+    equal the uninterrupted 4-rank run's up to the order of the sums (float64, 1e-12). Keeping the per-rank batch instead (4 rows, 6
+    steps per epoch) trains on other steps: far from it, which shows the comparison can fail."""
+    def first():
+        return _train_f64(tmp_path / "ckpt", crash_after=4)
+    mp.run_threads(4, first, timeout=120)
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt_copy")
+    want = mp.run_threads(4, lambda: _train_f64(tmp_path / f"whole{mp.get_rank()}"), timeout=120)[0]
+    job(1)
+    mp.run_threads(2, lambda: _train_f64(tmp_path / "ckpt", crash_after=6), timeout=120)
+    job(2)  # again on 2 ranks: the checkpoint's batch (8) is not the script's (4), its global batch is kept
+    kept = mp.run_threads(2, lambda: _train_f64(tmp_path / "ckpt"), timeout=120)
+    for params in kept:
+        for name, value in params.items():
+            np.testing.assert_allclose(value, want[name], rtol=1e-12, atol=1e-14, err_msg=name)
+    per_rank = mp.run_threads(2, lambda: _train_f64(tmp_path / "ckpt_copy", keep_batch="per_rank"), timeout=120)
+    assert max(np.abs(per_rank[0][name] - want[name]).max() for name in want) > 1e-3
+
+
+def test_a_global_batch_the_new_world_cannot_split_is_refused_on_every_rank(tmp_path, job):
+    """Four ranks of 4 rows (a global batch of 16) fail; three ranks cannot take 16 rows evenly: each
+    rank raises, naming the batch, the shards and the other choice, and none hangs."""
+    mp.run_threads(4, lambda: _train(tmp_path / "ckpt", crash_after=2), timeout=120)
+    job(1)
+    errors = []
+
+    def restarted():
+        try:
+            _train(tmp_path / "ckpt")
+        except ValueError as e:
+            errors.append(str(e))
+    mp.run_threads(3, restarted, timeout=120)
+    assert len(errors) == 3
+    assert "a global batch of 16 (4 shards of 4), which 3 shards cannot split evenly" in errors[0]
+    assert "keep_batch='per_rank' to train 4 rows per rank" in errors[0]
 
 
 # ---- a real job shrinking from 4 ranks to 2 ----------------------------------------------------
@@ -272,7 +339,7 @@ def test_resnet20_shrinks_from_four_ranks_to_two_and_equals_a_two_rank_run_resum
     launcher = [sys.executable, "-m", "minidl_parallel.run", "--allow-run-as-root", "--restart-delay", "0"]
     example = [str(SCRIPTS / "with_faults.py"), str(ROOT / "examples" / "resnet_cifar.py"), *RESNET]
     # 2 steps per epoch at 4 ranks: rank 3 killed after step 4, before its checkpoint; step 3's (epoch 2, step 1)
-    # is 1 of 2 steps into the epoch: at 2 ranks (4 per epoch) the restart skips 2.
+    # wins. At 2 ranks Model.train keeps the global batch of 32 (16 rows per rank): 2 steps per epoch, 1 skipped.
     faults = '[{"step": 4, "rank": 3, "kind": "kill"}]'
     proc = subprocess.run([*launcher, "-n", "4", "--min-np", "2", "--max-np", "4", "--host-discovery-script", discover,
                            "--max-restarts", "1", *example, "--ckpt-dir", "ckpt"], cwd=tmp_path,
@@ -284,8 +351,9 @@ def test_resnet20_shrinks_from_four_ranks_to_two_and_equals_a_two_rank_run_resum
                                 "--resume-from", str(tmp_path / "ckpt" / "resnet20-2_1.ckpt")], cwd=tmp_path,
                                env=_env(), capture_output=True, text=True, timeout=600)
     assert reference.returncode == 0, reference.stdout + reference.stderr
-    got = sorted(n for n in os.listdir(tmp_path / "ckpt") if n.startswith("resnet20_1-3_4"))
-    assert got == ["resnet20_1-3_4.ckpt", "resnet20_1-3_4_rank1.ckpt"]
+    assert "keeping the global batch of 32" in proc.stdout and "16 rows per rank on 2 shard(s)" in proc.stdout
+    got = sorted(n for n in os.listdir(tmp_path / "ckpt") if n.startswith("resnet20_1-3_2"))
+    assert got == ["resnet20_1-3_2.ckpt", "resnet20_1-3_2_rank1.ckpt"]
     _assert_same_state([tmp_path / "ckpt" / n for n in got], [tmp_path / "ref" / n.replace("_1-", "-") for n in got])
 
 

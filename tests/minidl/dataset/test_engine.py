@@ -61,6 +61,26 @@ def test_bad_batch_size(bad, exc, match):
         table(4).batch(bad)
 
 
+@pytest.mark.parametrize("bad, exc, match", [
+    (0, ValueError, r"batch: batch_size must be >= 1, got 0"),
+    (2.0, TypeError, r"batch: batch_size must be an int >= 1, got 2.0"),
+])
+def test_bad_batch_size_for_resize_batch_changes_nothing(bad, exc, match):
+    ds = table(4).batch(2)
+    with pytest.raises(exc, match=match.replace("batch:", "resize_batch:")):
+        ds.resize_batch(bad)
+    assert ds.get_batch_size() == 2
+
+
+def test_resize_batch_resizes_the_last_batch_of_the_pipeline_in_place():
+    ds = table(12).batch(2).map(lambda v: v * 10, input_columns="x").batch(3)
+    ds.resize_batch(2)
+    assert ds.get_batch_size() == 2 and ds.get_dataset_size() == 3
+    assert [b[0].shape for b in ds] == [(2, 2), (2, 2), (2, 2)]  # the first batch (2 rows) is untouched
+    with pytest.raises(ValueError, match=r"^resize_batch: the pipeline has no \.batch\(\) to resize$"):
+        table(4).map(lambda v: v, input_columns="x").resize_batch(2)
+
+
 def test_ragged_rows_name_the_column_and_shapes():
     ds = GeneratorDataset(lambda: iter([(np.zeros(3),), (np.zeros(4),)]), "data").batch(2)
     with pytest.raises(ValueError, match=r"batch: column 'data' has rows of different shapes \[\(3,\), \(4,\)\] "

@@ -233,6 +233,7 @@ def test_a_saved_network_file_records_its_writer_position_and_user_metadata(tmp_
     for step in (2, 4):
         path = str(tmp_path / f"other-1_{step}.ckpt")
         assert load_checkpoint_metadata(path) == {"run": "a", "lr": "0.5", "rank": "0", "group_size": "1",
+                                                  "batch_size": str(BATCH), "num_shards": "1",
                                                   "epoch_num": "1", "step_num": str(step)}
         saved = load_checkpoint(path)  # the other network alone: no optimizer state
         want = _values(other)

@@ -106,7 +106,7 @@ def test_rank_checkpoint_path_names():
     assert rank_checkpoint_path("ckpt/net-2_5_rank3.ckpt", 3) == "ckpt/net-2_5_rank3.ckpt"
 
 
-@pytest.mark.parametrize("key", ["rank", "group_size"])
+@pytest.mark.parametrize("key", ["rank", "group_size", "batch_size", "num_shards"])
 def test_rank_keys_are_reserved_in_append_info(key):
     with pytest.raises(ValueError, match="reserved"):
         CheckpointConfig(append_info=[{key: 1}])

@@ -156,6 +156,7 @@ TARGETS = {
                ["tests/minidl/train/test_resize.py", "tests/minidl/dataset/test_engine.py"]
                + [f"tests/minidl_parallel/test_elastic.py::{t}" for t in _ELASTIC_IN_PROCESS]),
     "mnist": (["minidl/dataset/mnist.py"], ["tests/minidl/dataset/test_mnist.py"]),
+    "dataset_engine": (["minidl/dataset/engine.py"], ["tests/minidl/dataset/test_engine.py"]),
     "callbacks": (["minidl/train/callbacks.py"], ["tests/minidl/train/test_callbacks.py",
                                                   "tests/minidl_parallel/pipeline/test_pipeline_eval.py"]),
     "intra_op": (["minidl/kernels/cpu/threads.py", "minidl/kernels/cpu/thread_count.py"],

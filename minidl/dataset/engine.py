@@ -406,7 +406,7 @@ class ShuffleDataset(Dataset):
 class BatchDataset(Dataset):
     """``dataset.batch(batch_size, drop_remainder)``: see :meth:`Dataset.batch`."""
 
-    def __init__(self, input_dataset, batch_size, drop_remainder=False):
+    def __init__(self, input_dataset, batch_size, drop_remainder):
         super().__init__(input_dataset)
         _check_batch_size(batch_size, "batch")
         self._batch_size = int(batch_size)

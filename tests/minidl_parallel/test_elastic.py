@@ -287,7 +287,7 @@ def _train_f64(directory, crash_after=None, keep_batch="global"):
     return {name: p.asnumpy().copy() for name, p in net.parameters_and_names()}
 
 
-def test_keeping_the_global_batch_a_shrunk_world_continues_the_uninterrupted_run(tmp_path, job):
+def test_keeping_the_global_batch_a_shrunk_world_continues_the_uninterrupted_run(tmp_path, job, capsys):
     """Four ranks of 4 rows a step fail after step 4 (of 3 per epoch); two ranks restart with a script
     batch of 4 rows, which Model.train resizes to 8, fail after step 6 and restart again: every later step
     trains on the rows the four ranks would have (shards take every num_shards-th row), so the parameters
@@ -299,9 +299,12 @@ def test_keeping_the_global_batch_a_shrunk_world_continues_the_uninterrupted_run
     shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt_copy")
     want = mp.run_threads(4, lambda: _train_f64(tmp_path / f"whole{mp.get_rank()}"), timeout=120)[0]
     job(1)
+    capsys.readouterr()
     mp.run_threads(2, lambda: _train_f64(tmp_path / "ckpt", crash_after=6), timeout=120)
     job(2)  # again on 2 ranks: the checkpoint's batch (8) is not the script's (4), its global batch is kept
     kept = mp.run_threads(2, lambda: _train_f64(tmp_path / "ckpt"), timeout=120)
+    said = [line for line in capsys.readouterr().out.splitlines() if "keeping the global batch of 16" in line]
+    assert len(said) == 2 and all("8 rows per rank on 2 shard(s), 3 steps per epoch" in line for line in said)
     for params in kept:
         for name, value in params.items():
             np.testing.assert_allclose(value, want[name], rtol=1e-12, atol=1e-14, err_msg=name)

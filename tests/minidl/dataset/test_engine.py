@@ -77,6 +77,9 @@ def test_resize_batch_resizes_the_last_batch_of_the_pipeline_in_place():
     ds.resize_batch(2)
     assert ds.get_batch_size() == 2 and ds.get_dataset_size() == 3
     assert [b[0].shape for b in ds] == [(2, 2), (2, 2), (2, 2)]  # the first batch (2 rows) is untouched
+    after = table(12).batch(2).batch(3).map(lambda v: v * 10, input_columns="x")  # a map after the last batch
+    after.resize_batch(2)
+    assert after.get_batch_size() == 2 and [b[0].shape for b in after] == [(2, 2), (2, 2), (2, 2)]
     with pytest.raises(ValueError, match=r"^resize_batch: the pipeline has no \.batch\(\) to resize$"):
         table(4).map(lambda v: v, input_columns="x").resize_batch(2)
 

@@ -9,6 +9,7 @@ from minidl import nn
 from minidl.dataset import NumpySlicesDataset
 from minidl.train import Callback, CheckpointConfig, Model, ModelCheckpoint
 from minidl.train.checkpoint import TrainPosition, restore_train_state
+from minidl.train import resize
 from minidl.train.resize import resume_on_these_shards
 
 ROWS = np.arange(96, dtype=np.float32).reshape(48, 2)
@@ -129,3 +130,18 @@ class StepsInEpoch(Callback):
 
     def on_train_step_end(self, run_context):
         self.seen.append(run_context.original_args().cur_step_in_epoch)
+
+
+@pytest.mark.parametrize("rank, says", [(0, True), (1, False), (2, False)])
+def test_only_rank_0_says_that_it_keeps_the_global_batch(monkeypatch, capsys, rank, says):
+    class World:
+        def group_size(self):
+            return 3
+
+        def rank(self):
+            return rank
+    monkeypatch.setattr(resize, "get_runtime", World)
+    ds = dataset(2, 4)
+    assert resume_on_these_shards("c.ckpt", position(), ds, 6, 2) == (3, 1)
+    assert ds.get_batch_size() == 8
+    assert ("keeping the global batch of 16" in capsys.readouterr().out) is says

@@ -454,7 +454,7 @@ class Model:
                   log_file, progress, uneven_inputs, keep_batch)
 
     def _run(self, epoch, dataset, valid_dataset, valid_frequency, callbacks, dataset_sink_mode, resume_from,
-             log_file, progress, uneven_inputs=False, keep_batch="global"):
+             log_file, progress, uneven_inputs, keep_batch):
         epoch = self._check_epoch(epoch)
         if not isinstance(uneven_inputs, bool):
             raise TypeError(f"Model.train: uneven_inputs must be a bool, got {uneven_inputs!r}")

@@ -98,14 +98,19 @@ def test_model_train_checks_keep_batch_before_training():
     model = Model(net, nn.MSELoss(), nn.SGD(net.trainable_params(), 0.1))
     ds = NumpySlicesDataset({"x": ROWS, "y": ROWS[:, :1]}, shuffle=False).batch(4)
     before = net.weight.asnumpy().copy()
-    with pytest.raises(ValueError, match="keep_batch must be one of"):
+    with pytest.raises(ValueError, match=r"^Model.train: keep_batch must be one of \('global', 'per_rank'\), "
+                                         r"got 'all'$"):
         model.train(1, ds, keep_batch="all")
     assert np.array_equal(net.weight.asnumpy(), before)
 
 
-def test_model_checkpoint_records_the_batch_and_shards_and_a_resume_on_other_shards_keeps_them(tmp_path):
-    """Written by a run on 4 shards of 4 rows (one of them: shard 0), resumed on 2 shards with a script
-    batch of 4: the dataset trains 8 rows a step, and the resume skips the same steps of the epoch."""
+@pytest.mark.parametrize("keep_batch, batch, steps_seen", [("global", 8, [3, 1, 2, 3]),
+                                                          ("per_rank", 4, [5, 6, 1, 2, 3, 4, 5, 6])])
+def test_model_checkpoint_records_the_batch_and_shards_and_a_resume_on_other_shards_keeps_them(tmp_path, keep_batch,
+                                                                                               batch, steps_seen):
+    """Written by a run on 4 shards of 4 rows (one of them: shard 0) after step 2 of 3, resumed on 2 shards with a
+    script batch of 4: keeping the global batch, the dataset trains 8 rows a step and the resume skips the same
+    2 steps of 3; keeping the per-rank batch, 4 rows a step, 6 steps per epoch, 2 * 6 // 3 = 4 skipped."""
     minidl.set_seed(1)
     net = nn.Dense(2, 1)
     data = {"x": ROWS, "y": ROWS[:, :1] / 100}
@@ -120,8 +125,8 @@ def test_model_checkpoint_records_the_batch_and_shards_and_a_resume_on_other_sha
     assert (saved.batch_size, saved.num_shards, saved.batch_num, saved.skip_batches) == (4, 4, 3, 2)
     resumed = shard(2, 4)
     steps = StepsInEpoch()
-    model.train(2, resumed, resume_from=path, callbacks=[steps])
-    assert resumed.get_batch_size() == 8 and steps.seen == [3, 1, 2, 3]
+    model.train(2, resumed, resume_from=path, callbacks=[steps], keep_batch=keep_batch)
+    assert resumed.get_batch_size() == batch and steps.seen == steps_seen
 
 
 class StepsInEpoch(Callback):
